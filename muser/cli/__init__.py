@@ -1,0 +1,1 @@
+"""The `muser` command line: one module per subcommand, imported lazily by `main`."""
