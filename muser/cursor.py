@@ -1,0 +1,65 @@
+"""A KV cursor: keeps a backend's cache equal to a token list by rollback and extension.
+
+Both the drafter and the target executor work on transcripts that grow by whole rounds and
+shrink when drafts are rejected. `sync(tokens)` rolls the cache back to the longest common
+prefix with `tokens` and evaluates the rest, so neither side re-evaluates what it holds.
+Rollback is explicit and checked by the backend (STYLE.md item 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from muser.backend import ModelBackend
+
+
+class KvCursor:
+    def __init__(self, backend: ModelBackend) -> None:
+        self.backend = backend
+        self.tokens: list[int] = []
+        self.last_row: np.ndarray | None = None
+        """Logits after the last cached token (None when unknown, e.g. after a rollback)."""
+
+    def _common_prefix(self, tokens: Sequence[int]) -> int:
+        n = min(len(self.tokens), len(tokens))
+        i = 0
+        while i < n and self.tokens[i] == tokens[i]:
+            i += 1
+        return i
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cached tokens."""
+        drop = len(self.tokens) - length
+        if drop > 0:
+            self.backend.rollback(drop)
+            del self.tokens[length:]
+            self.last_row = None
+
+    def extend(self, tokens: Sequence[int]) -> np.ndarray:
+        """Evaluate `tokens` after the cache; returns their rows (n, V) float64."""
+        if not tokens:
+            return np.zeros((0, self.backend.vocab_size))
+        rows = self.backend.evaluate([int(t) for t in tokens])
+        self.tokens.extend(int(t) for t in tokens)
+        self.last_row = rows[-1]
+        return rows
+
+    def hold(self, tokens: Sequence[int]) -> None:
+        """Make the cache hold exactly `tokens` (possibly none); no row is needed."""
+        self.truncate(self._common_prefix(tokens))
+        if len(tokens) > len(self.tokens):
+            self.extend(tokens[len(self.tokens) :])
+
+    def sync(self, tokens: Sequence[int]) -> np.ndarray:
+        """Make the cache hold exactly `tokens`; return the logits after the last one."""
+        if not tokens:
+            raise ValueError("cannot sync a cursor to an empty token list")
+        common = self._common_prefix(tokens)
+        if common == len(tokens) == len(self.tokens) and self.last_row is not None:
+            return self.last_row
+        if common == len(tokens):
+            common -= 1  # the last row is needed: re-evaluate the last token
+        self.truncate(common)
+        return self.extend(tokens[common:])[-1]

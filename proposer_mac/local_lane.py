@@ -1,0 +1,72 @@
+"""The local lane: draft and target in one process, the exact round and RNG protocol of
+DESIGN.md §4 (the cluster lane runs the same rounds across the wire and must emit the same
+tokens for the same seed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from muser.backend import ModelBackend
+from muser.generation import GenerationResult
+from muser.mt19937 import Mt19937
+from muser.round import clip_emission, plan_depth
+from muser.sampling import SamplingParams, target_probs
+from muser.stats import LaneStats
+from muser.verify import judge_round
+from proposer_mac.drafting import Drafter
+from verifier_gx.executor import TargetExecutor
+
+
+def run_local(
+    target: ModelBackend,
+    draft: ModelBackend,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    draft_len: int = 4,
+    q_top_k: int = 32,
+    record_rows: bool = False,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if draft_len < 0:
+        raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+    stats = LaneStats()
+    drafter = Drafter(draft, params, q_top_k)
+    executor = TargetExecutor(target)
+    rng = Mt19937.from_seed(params.seed)
+    transcript = [int(t) for t in prompt]
+    out: list[int] = []
+    rows = {}
+    start = time.perf_counter()
+    while True:
+        depth = plan_depth(draft_len, params.max_tokens - len(out))
+        t0 = time.perf_counter()
+        proposal = drafter.draft(transcript, rng, depth)
+        t1 = time.perf_counter()
+        logits = executor.witness_logits(transcript, proposal.drafts)
+        witness = target_probs(logits, params)
+        decision = judge_round(
+            rng, transcript[-1], proposal.drafts, proposal.q_rows, witness, greedy=params.greedy
+        )
+        executor.settle(len(transcript), decision.accepted)
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        if record_rows:
+            for k in range(decision.accepted + 1):
+                rows[len(transcript) + k] = logits[k]
+        rng = decision.post_state
+        emission = clip_emission(
+            decision.emitted(proposal.drafts), len(out), params.max_tokens, params.stop_tokens
+        )
+        stats.observe_round(depth, decision.accepted, len(emission.tokens))
+        out += emission.tokens
+        transcript += emission.tokens
+        if on_tokens:
+            on_tokens(emission.tokens)
+        if emission.done:
+            break
+    stats.wall_s = time.perf_counter() - start
+    return GenerationResult("local", "", out, len(prompt), stats, rows)

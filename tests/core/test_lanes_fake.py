@@ -1,0 +1,72 @@
+"""Lane logic on fake backends: greedy local = plain, seeded reproducibility, accounting."""
+
+import numpy as np
+import pytest
+
+from muser.sampling import SamplingParams
+from proposer_mac.local_lane import run_local
+from tests.core.fake_backend import FakeBackend
+from verifier_gx.plain import run_plain
+
+PROMPT = [1, 5, 7, 2]
+
+
+@pytest.mark.parametrize("draft_len", [0, 1, 3, 6])
+def test_greedy_local_equals_plain(draft_len):
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    plain = run_plain(FakeBackend(), PROMPT, params, record_rows=True)
+    local = run_local(
+        FakeBackend(),
+        FakeBackend(order=1, salt=1),
+        PROMPT,
+        params,
+        draft_len=draft_len,
+        record_rows=True,
+    )
+    assert local.tokens == plain.tokens
+    assert len(local.tokens) == 60
+    assert local.rows.keys() == plain.rows.keys()
+    for pos, row in plain.rows.items():
+        np.testing.assert_array_equal(local.rows[pos], row)
+
+
+def test_sampled_local_lane_is_reproducible_and_seed_sensitive():
+    params = SamplingParams(temperature=1.0, max_tokens=50, seed=11)
+    a = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params, q_top_k=5)
+    b = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params, q_top_k=5)
+    c = run_local(
+        FakeBackend(),
+        FakeBackend(order=1, salt=1),
+        PROMPT,
+        SamplingParams(temperature=1.0, max_tokens=50, seed=12),
+        q_top_k=5,
+    )
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_identical_draft_accepts_everything():
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3)
+    result = run_local(FakeBackend(), FakeBackend(), PROMPT, params, draft_len=4, q_top_k=24)
+    assert result.stats.acceptance == 1.0
+    assert result.stats.tokens_per_round == 5.0
+
+
+def test_stop_token_ends_generation_and_is_kept():
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    plain = run_plain(FakeBackend(), PROMPT, params)
+    stop = plain.tokens[10]
+    first = plain.tokens.index(stop)
+    params_stop = SamplingParams(temperature=0.0, max_tokens=60, stop_tokens=(stop,))
+    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params_stop)
+    assert local.tokens == plain.tokens[: first + 1]
+    assert run_plain(FakeBackend(), PROMPT, params_stop).tokens == local.tokens
+
+
+def test_stats_account_for_every_token():
+    params = SamplingParams(temperature=1.0, max_tokens=37, seed=5)
+    result = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params, draft_len=3)
+    s = result.stats
+    assert s.emitted == len(result.tokens) == 37
+    assert s.emitted == s.accepted + s.rounds  # every round emits a + 1
+    assert sum(k * v for k, v in s.tokens_per_round_hist.items()) == 37
