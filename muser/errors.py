@@ -71,3 +71,15 @@ class ContextOverflowError(RefusedError):
 
 class RollbackError(RefusedError):
     """A rollback asked to drop more tokens than the cache holds (or a negative count)."""
+
+
+class InvalidOverrideError(RefusedError):
+    """A geometry override or backend knob (context length, rope theta, window) is invalid."""
+
+
+class CaptureLayerError(RefusedError):
+    """A capture asked for a decoder layer index outside [0, num_layers)."""
+
+
+class UnknownBackendError(RefusedError):
+    """A backend kind that is not one of the implemented kinds."""

@@ -1,0 +1,1 @@
+"""Proposer daemon: draft backends, the round driver, the client-facing API."""

@@ -1,0 +1,16 @@
+"""Draft backend on PyTorch: the target's torch backend, used as a draft (DESIGN.md §8).
+
+Both sides share one implementation so the torch draft and the torch target cannot drift;
+this module exists so the proposer names its backends in one place.
+"""
+
+from __future__ import annotations
+
+from verifier_gx.backends.torch_backend import DTYPES, Dtype, TorchBackend
+
+
+class TorchDraftBackend(TorchBackend):
+    """`TorchBackend` as a draft: same contract, same cache, same overrides."""
+
+
+__all__ = ["DTYPES", "Dtype", "TorchDraftBackend"]

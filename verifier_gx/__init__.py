@@ -1,0 +1,1 @@
+"""Verifier daemon: target backends, the round executor, the gRPC servicer."""
