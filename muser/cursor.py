@@ -4,6 +4,10 @@ Both the drafter and the target executor work on transcripts that grow by whole 
 shrink when drafts are rejected. `sync(tokens)` rolls the cache back to the longest common
 prefix with `tokens` and evaluates the rest, so neither side re-evaluates what it holds.
 Rollback is explicit and checked by the backend (STYLE.md item 6).
+
+Several cursors may share one backend (one model, many sessions): the backend remembers
+which cursor last shaped its cache, and a cursor that finds another owner resets the cache
+and rebuilds from its own tokens — correct always, and cheap when sessions don't interleave.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ class KvCursor:
         self.last_row: np.ndarray | None = None
         """Logits after the last cached token (None when unknown, e.g. after a rollback)."""
 
+    def _claim(self) -> None:
+        if getattr(self.backend, "_muser_cursor", None) is not self:
+            self.backend.reset()
+            self.tokens = []
+            self.last_row = None
+            self.backend._muser_cursor = self  # type: ignore[attr-defined]
+
     def _common_prefix(self, tokens: Sequence[int]) -> int:
         n = min(len(self.tokens), len(tokens))
         i = 0
@@ -31,6 +42,7 @@ class KvCursor:
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached tokens."""
+        self._claim()
         drop = len(self.tokens) - length
         if drop > 0:
             self.backend.rollback(drop)
@@ -41,6 +53,7 @@ class KvCursor:
         """Evaluate `tokens` after the cache; returns their rows (n, V) float64."""
         if not tokens:
             return np.zeros((0, self.backend.vocab_size))
+        self._claim()
         rows = self.backend.evaluate([int(t) for t in tokens])
         self.tokens.extend(int(t) for t in tokens)
         self.last_row = rows[-1]
@@ -48,6 +61,7 @@ class KvCursor:
 
     def hold(self, tokens: Sequence[int]) -> None:
         """Make the cache hold exactly `tokens` (possibly none); no row is needed."""
+        self._claim()
         self.truncate(self._common_prefix(tokens))
         if len(tokens) > len(self.tokens):
             self.extend(tokens[len(self.tokens) :])
@@ -56,6 +70,7 @@ class KvCursor:
         """Make the cache hold exactly `tokens`; return the logits after the last one."""
         if not tokens:
             raise ValueError("cannot sync a cursor to an empty token list")
+        self._claim()
         common = self._common_prefix(tokens)
         if common == len(tokens) == len(self.tokens) and self.last_row is not None:
             return self.last_row

@@ -14,6 +14,11 @@ import sys
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("muser.cli.generate", "generate text (lanes: plain, local, cluster)"),
+    "keygen": ("muser.cli.keygen", "write Ed25519 key pairs"),
+    "config": ("muser.cli.config", "write, check and show the cluster file"),
+    "verifier": ("muser.cli.verifier", "the verifier daemon (target, commit WAL, signatures)"),
+    "proposer": ("muser.cli.proposer", "the proposer daemon (draft, journal, client API)"),
+    "status": ("muser.cli.status", "health and statistics of both daemons"),
     "fixtures": ("muser.cli.fixtures", "build the fixture target/draft pair"),
     "bench": ("muser.cli.bench", "benchmark lanes and peers, with receipts"),
     "wal": ("muser.cli.wal", "inspect, verify and repair a write-ahead log directory"),

@@ -70,3 +70,15 @@ def test_stats_account_for_every_token():
     assert s.emitted == len(result.tokens) == 37
     assert s.emitted == s.accepted + s.rounds  # every round emits a + 1
     assert sum(k * v for k, v in s.tokens_per_round_hist.items()) == 37
+
+
+def test_two_cursors_sharing_one_backend_stay_correct():
+    from muser.cursor import KvCursor
+
+    shared = FakeBackend()
+    a, b = KvCursor(shared), KvCursor(shared)
+    row_a = a.sync([1, 2, 3])
+    b.sync([4, 5])
+    assert a.sync([1, 2, 3]).tolist() == row_a.tolist()  # rebuilt after b took the cache
+    assert shared.length == 3
+    assert a.sync([1, 2, 3, 9]).tolist() == FakeBackend().evaluate([1, 2, 3, 9])[-1].tolist()

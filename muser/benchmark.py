@@ -1,0 +1,252 @@
+"""The benchmark harness (DESIGN.md §9): lanes and peers on the same pair and prompts.
+
+Discipline: every lane runs on every prompt in one process, lanes interleaved within each
+repeat (so drift hits all of them alike), the median and spread over repeats reported, and
+every raw sample kept in a receipt whose SHA-256 covers the samples' canonical JSON.
+Threads: torch runs with one intra-op thread (tiny models are faster that way on the
+2-core box, and it keeps the second core free for the OS and the harness); MLX runs on its
+CPU stream. Ratios are to plain target decode measured in the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from muser.sampling import SamplingParams
+
+
+@dataclass
+class Sample:
+    lane: str
+    prompt: int
+    repeat: int
+    tokens: list[int]
+    wall_s: float
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    split_s: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+LaneFn = Callable[[list[int], int], Sample]
+
+
+def _ours(kind: str, target, draft, params: SamplingParams, draft_len: int, q_top_k: int) -> LaneFn:
+    from proposer_mac.local_lane import run_local
+    from verifier_gx.plain import run_plain
+
+    def run(prompt: list[int], max_tokens: int) -> Sample:
+        p = SamplingParams(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            max_tokens=max_tokens,
+            seed=params.seed,
+        )
+        target.reset()
+        if kind == "plain":
+            r = run_plain(target, prompt, p)
+        else:
+            draft.reset()
+            r = run_local(target, draft, prompt, p, draft_len=draft_len, q_top_k=q_top_k)
+        s = r.stats
+        return Sample(
+            kind,
+            0,
+            0,
+            r.tokens,
+            s.wall_s,
+            s.drafted,
+            s.accepted,
+            s.rounds,
+            {"draft": s.draft_s, "verify": s.verify_s},
+        )
+
+    return run
+
+
+def _transformers_assisted(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneFn:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    assistant.generation_config.num_assistant_tokens = draft_len
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+
+    def run(prompt: list[int], max_tokens: int) -> Sample:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                assistant_model=assistant,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        wall = time.perf_counter() - start
+        return Sample("hf-assisted", 0, 0, out[0, len(prompt) :].tolist(), wall)
+
+    return run
+
+
+def _mlx_speculative(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneFn:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import speculative_generate_step
+
+    model, _ = load(str(target_dir))
+    draft_model, _ = load(str(draft_dir))
+
+    def run(prompt: list[int], max_tokens: int) -> Sample:
+        tokens: list[int] = []
+        accepted = 0
+        start = time.perf_counter()
+        steps = speculative_generate_step(
+            mx.array(prompt),
+            model,
+            draft_model,
+            num_draft_tokens=draft_len,
+            max_tokens=max_tokens,
+        )
+        for token, _, from_draft in steps:
+            tokens.append(int(token))
+            accepted += bool(from_draft)
+            if len(tokens) >= max_tokens:
+                break
+        wall = time.perf_counter() - start
+        return Sample("mlx-lm-speculative", 0, 0, tokens, wall, accepted=accepted)
+
+    return run
+
+
+def build_lanes(
+    target_dir: Path,
+    draft_dir: Path,
+    params: SamplingParams,
+    *,
+    draft_len: int,
+    q_top_k: int,
+    draft_backend: str,
+    peers: bool,
+) -> tuple[dict[str, LaneFn], dict[str, str]]:
+    """The lanes to run, and a note per lane that could not be built (never silent)."""
+    from proposer_mac.backends import load_draft_backend
+    from verifier_gx.backends import load_target_backend
+
+    target = load_target_backend("torch", target_dir)
+    draft = load_draft_backend(draft_backend, draft_dir)
+    lanes: dict[str, LaneFn] = {
+        "plain": _ours("plain", target, None, params, draft_len, q_top_k),
+        "local": _ours("local", target, draft, params, draft_len, q_top_k),
+    }
+    notes: dict[str, str] = {}
+    if peers and params.greedy:
+        lanes["hf-assisted"] = _transformers_assisted(target_dir, draft_dir, draft_len)
+        lanes["mlx-lm-speculative"] = _mlx_speculative(target_dir, draft_dir, draft_len)
+    elif peers:
+        notes["peers"] = "peers run greedy only in this version; skipped at T > 0"
+    return lanes, notes
+
+
+def run_bench(
+    lanes: dict[str, LaneFn],
+    prompts: list[list[int]],
+    max_tokens: int,
+    repeats: int,
+    progress: bool = True,
+) -> list[Sample]:
+    from tqdm import tqdm
+
+    for fn in lanes.values():  # warm-up: first-call allocation and lazy init stay out of samples
+        fn(prompts[0][:8], 4)
+    samples: list[Sample] = []
+    total = repeats * len(prompts) * len(lanes)
+    with tqdm(total=total, desc="bench", disable=not progress, unit="run") as bar:
+        for repeat in range(repeats):
+            for i, prompt in enumerate(prompts):
+                order = list(lanes) if (repeat + i) % 2 == 0 else list(reversed(lanes))
+                for name in order:
+                    s = lanes[name](prompt, max_tokens)
+                    s.lane, s.prompt, s.repeat = name, i, repeat
+                    samples.append(s)
+                    bar.update()
+    return samples
+
+
+def summarise(samples: list[Sample]) -> dict[str, dict]:
+    """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio."""
+    by_lane: dict[str, dict[int, list[Sample]]] = {}
+    for s in samples:
+        by_lane.setdefault(s.lane, {}).setdefault(s.repeat, []).append(s)
+    out: dict[str, dict] = {}
+    for lane, repeats in by_lane.items():
+        rates = [
+            sum(len(s.tokens) for s in ss) / sum(s.wall_s for s in ss) for ss in repeats.values()
+        ]
+        all_s = [s for ss in repeats.values() for s in ss]
+        drafted = sum(s.drafted for s in all_s)
+        accepted = sum(s.accepted for s in all_s)
+        rounds = sum(s.rounds for s in all_s)
+        emitted = sum(len(s.tokens) for s in all_s)
+        out[lane] = {
+            "tokens_per_s": statistics.median(rates),
+            "spread": [min(rates), max(rates)],
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_round": emitted / rounds if rounds else None,
+        }
+    if "plain" in out:
+        base = out["plain"]["tokens_per_s"]
+        for row in out.values():
+            row["ratio_to_plain"] = row["tokens_per_s"] / base
+    plain_tokens = {(s.prompt, s.repeat): s.tokens for s in samples if s.lane == "plain"}
+    for lane in out:
+        same = [
+            s.tokens == plain_tokens.get((s.prompt, s.repeat)) for s in samples if s.lane == lane
+        ]
+        out[lane]["greedy_match_plain"] = f"{sum(same)}/{len(same)}"
+    return out
+
+
+def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) -> str:
+    raw = json.dumps([s.to_dict() for s in samples], sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(raw.encode()).hexdigest()
+    receipt = {
+        "meta": {**meta, "python": platform.python_version(), "machine": platform.machine()},
+        "summary": summary,
+        "samples_sha256": digest,
+        "samples": json.loads(raw),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(receipt, indent=1))
+    return digest
+
+
+def format_table(summary: dict) -> str:
+    lines = [
+        f"{'lane':<20} {'tok/s':>8} {'spread':>17} {'×plain':>7} {'accept':>7} {'tok/rnd':>7} {'=plain':>7}"
+    ]
+    for lane, r in summary.items():
+        acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
+        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] is not None else "-"
+        lo, hi = r["spread"]
+        lines.append(
+            f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>17} "
+            f"{r.get('ratio_to_plain', 0):>7.2f} {acc:>7} {tpr:>7} {r['greedy_match_plain']:>7}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""`muser bench`: lanes and peers on the fixture pair, with receipts; `--suite wal` for the WAL."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    p.add_argument("--suite", choices=["lanes", "wal"], default="lanes", help="default lanes")
+    p.add_argument("--prompts", type=int, default=4, help="natural prompts (default 4)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per run (default 128)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per lane (default 3)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--q-top-k", type=int, default=32)
+    p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers / mlx-lm peers")
+    p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
+    p.add_argument(
+        "--receipt", type=Path, default=None, help="receipt path (default bench-receipts/)"
+    )
+    p.add_argument("--wal-dir", type=Path, default=None, help="directory for --suite wal")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.suite == "wal":
+        return _run_wal(args)
+    import time
+
+    from transformers import AutoTokenizer
+
+    from muser.benchmark import build_lanes, format_table, run_bench, summarise, write_receipt
+    from muser.cli._common import encode_prompt
+    from muser.fixtures import build_fixtures, natural_prompts, periodic_prompt
+    from muser.sampling import SamplingParams
+
+    fixtures = build_fixtures(progress=not args.json)
+    pair = fixtures.periodic if args.periodic else fixtures.natural
+    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
+    texts = [periodic_prompt()] * args.prompts if args.periodic else natural_prompts(args.prompts)
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    lanes, notes = build_lanes(
+        pair.target,
+        pair.draft,
+        params,
+        draft_len=args.draft_len,
+        q_top_k=args.q_top_k,
+        draft_backend=args.draft_backend,
+        peers=not args.no_peers,
+    )
+    samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
+    summary = summarise(samples)
+    meta = {
+        "command": " ".join(sys.argv),
+        "fixture": "periodic (control)" if args.periodic else "natural",
+        "target": str(pair.target),
+        "draft": str(pair.draft),
+        "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
+        "draft_len": args.draft_len,
+        "q_top_k": args.q_top_k,
+        "draft_backend": args.draft_backend,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "notes": notes,
+        "threads": "torch.set_num_threads(1); mlx on its CPU stream",
+    }
+    receipt = (
+        args.receipt or Path("bench-receipts") / f"lanes-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    digest = write_receipt(receipt, meta, samples, summary)
+    if args.json:
+        print(
+            json.dumps(
+                {"summary": summary, "receipt": str(receipt), "sha256": digest, "notes": notes}
+            )
+        )
+        return 0
+    if args.periodic:
+        print("CONTROL (periodic fixture): calibrates the harness, never quoted as a result")
+    print(format_table(summary))
+    for lane, note in notes.items():
+        print(f"note: {lane}: {note}")
+    print(f"receipt: {receipt} (samples sha256 {digest})")
+    return 0
+
+
+def _run_wal(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from wal.bench import format_wal_bench, run_wal_bench
+
+    with tempfile.TemporaryDirectory(dir=args.wal_dir) as tmp:
+        result = run_wal_bench(Path(tmp), progress=not args.json)
+    print(json.dumps(result) if args.json else format_wal_bench(result))
+    return 0

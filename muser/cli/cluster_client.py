@@ -1,0 +1,160 @@
+"""The client side of `muser generate --lane cluster`: stream from the proposer daemon.
+
+If the stream breaks (proposer restart, cut connection) the client reconnects with its
+session id and the number of tokens it holds, with backoff, and receives the rest of the
+stream: no gap, no repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from muser.errors import MuserError
+from muser.sampling import SamplingParams
+
+
+class ClusterClientError(MuserError):
+    """The proposer refused the request or stayed unreachable."""
+
+
+def stream_generate(
+    address: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    draft_len: int = 0,
+    on_event=None,
+    reconnect_s: float = 120.0,
+    max_message_bytes: int = 8 * 1024 * 1024,
+) -> dict:
+    """Generate through the proposer at `address`; returns the --json object of the lane."""
+    import grpc
+
+    from muser.wire import convert
+    from muser.wire import muser_v2_pb2 as pb
+    from muser.wire import muser_v2_pb2_grpc as pb_grpc
+
+    RETRYABLE = (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    )
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    tokens: list[int] = []
+    texts: list[str] = []
+    session_id = b""
+    prompt_tokens, stats = 0, {}
+    deadline = None
+    backoff = 0.05
+    start = time.perf_counter()
+    with grpc.insecure_channel(address, options=options) as channel:
+        stub = pb_grpc.ProposerStub(channel)
+        while True:
+            request = pb.GenerateRequest(params=convert.params_to_pb(params), draft_len=draft_len)
+            if session_id:
+                request.session_id, request.offset = session_id, len(tokens)
+            elif isinstance(prompt, str):
+                request.prompt = prompt
+            else:
+                request.prompt_tokens.extend(prompt)
+            try:
+                for event in stub.Generate(request, wait_for_ready=True):
+                    session_id = event.session_id
+                    prompt_tokens = event.prompt_tokens
+                    if event.offset != len(tokens):
+                        raise ClusterClientError(
+                            f"stream offset {event.offset} but {len(tokens)} tokens held"
+                        )
+                    tokens += list(event.tokens)
+                    texts.append(event.text)
+                    if on_event:
+                        on_event(event)
+                    if event.done:
+                        stats = json.loads(event.stats_json or "{}")
+                        break
+                else:
+                    raise grpc.RpcError("stream ended without a done event")
+                break
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                retryable = code is None or code in RETRYABLE
+                if not retryable or not session_id:
+                    details = exc.details() if hasattr(exc, "details") else str(exc)
+                    name = code.name if code is not None else "ERROR"
+                    raise ClusterClientError(f"proposer at {address}: {name}: {details}") from exc
+                deadline = deadline or time.monotonic() + reconnect_s
+                if time.monotonic() > deadline:
+                    raise ClusterClientError(
+                        f"proposer at {address} unreachable for {reconnect_s:.0f}s"
+                    ) from exc
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+    wall = time.perf_counter() - start
+    stats = {
+        **stats,
+        "client_wall_s": round(wall, 6),
+        "client_tokens_per_s": round(len(tokens) / wall, 3) if wall > 0 else 0.0,
+    }
+    return {
+        "lane": "cluster",
+        "text": "".join(texts),
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "session_id": session_id.hex(),
+        "stats": stats,
+    }
+
+
+def generate_cluster(args: argparse.Namespace, params: SamplingParams, text: str) -> int:
+    from cluster_config import load_config
+    from muser.errors import RefusedError
+
+    if not args.config:
+        raise RefusedError("--lane cluster needs --config FILE (the cluster.toml)")
+    config = load_config(args.config)
+
+    def show(event) -> None:
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(text)
+    result = stream_generate(
+        config.proposer.address,
+        text,
+        params,
+        draft_len=args.draft_len,
+        on_event=None if args.json else show,
+        max_message_bytes=config.limits.max_message_bytes,
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    s = result["stats"]
+    from muser.cli._common import stats_table
+
+    split = s.get("split_s", {})
+    print("\n")
+    print(
+        stats_table(
+            [
+                ("lane", "cluster"),
+                ("session", result["session_id"]),
+                ("generated tokens", str(len(result["tokens"]))),
+                ("rounds", str(s.get("rounds"))),
+                ("acceptance", f"{s.get('acceptance', 0):.3f}"),
+                ("tokens per round", f"{s.get('tokens_per_round', 0):.2f}"),
+                ("tokens/s (client)", f"{s.get('client_tokens_per_s', 0):.1f}"),
+                ("round split", ", ".join(f"{k} {v:.3f}s" for k, v in split.items())),
+                ("verifier-only ceiling", f"{s.get('verifier_ceiling_tokens_per_s', 0):.1f} tok/s"),
+            ]
+        )
+    )
+    return 0

@@ -1,0 +1,21 @@
+"""`muser proposer serve --config FILE`: the proposer daemon (draft + client API)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    serve = actions.add_parser("serve", help="run the proposer daemon until SIGTERM/SIGINT")
+    serve.add_argument("--config", required=True, help="cluster.toml")
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from cluster_config import load_config
+    from proposer_mac.daemon import serve
+
+    serve(load_config(args.config))
+    return 0

@@ -1,0 +1,254 @@
+"""The records both sides agree on bit for bit: session open, round request, round result.
+
+Plain dataclasses with canonical encodings (muser.canonical); protobuf types never appear
+here. Heads chain the committed rounds:
+
+    genesis = SHA-256(canonical SessionOpen)                 (binds models, params, prompt)
+    head_{r+1} = SHA-256(head_r ‖ canonical round record)    (record = result minus head/key)
+
+The verifier signs the canonical RoundResult (domain "round-result", head and key id
+included); the proposer signs the canonical RoundRequest. A request's digest is SHA-256 of
+its canonical bytes, and the result binds it, so a result answers exactly one request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from muser.canonical import Reader, Writer
+from muser.mt19937 import Mt19937
+from muser.sampling import SamplingParams, SparseRow
+
+TRANSCRIPT_CHUNK = 256
+"""Tokens per transcript fragment: old chunks never change, so only the tail travels."""
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def state_digest(state: Mt19937) -> bytes:
+    return sha256(state.to_bytes())
+
+
+def tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def tokens_from_bytes(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
+def transcript_chunks(tokens: Sequence[int]) -> list[bytes]:
+    return [
+        tokens_bytes(tokens[i : i + TRANSCRIPT_CHUNK])
+        for i in range(0, len(tokens), TRANSCRIPT_CHUNK)
+    ]
+
+
+def transcript_digest(tokens: Sequence[int]) -> bytes:
+    return sha256(Writer("transcript").u32s(tokens).bytes())
+
+
+def draws_for_round(depth: int, accepted: int, greedy: bool) -> int:
+    """uniform_f64 draws one round consumes (DESIGN.md §4): D drafting draws, one judging draw
+    per attempted draft, one for the next frontier; none when greedy."""
+    if greedy:
+        return 0
+    return depth + min(accepted + 1, depth) + 1
+
+
+def advance(state: Mt19937, draws: int) -> Mt19937:
+    out = state.copy()
+    for _ in range(draws):
+        out.uniform_f64()
+    return out
+
+
+@dataclass(frozen=True)
+class Identity:
+    model_digest: str
+    tokenizer_digest: str
+    vocab_size: int
+
+
+def _params(w: Writer, p: SamplingParams) -> None:
+    w.f64(p.temperature).u32(p.top_k).f64(p.top_p).u32(p.max_tokens).u32s(p.stop_tokens)
+    w.u32(p.seed)
+
+
+def _read_params(r: Reader) -> SamplingParams:
+    return SamplingParams(
+        temperature=r.f64(),
+        top_k=r.u32(),
+        top_p=r.f64(),
+        max_tokens=r.u32(),
+        stop_tokens=tuple(r.u32s()),
+        seed=r.u32(),
+    )
+
+
+def _identity(w: Writer, i: Identity) -> None:
+    w.text(i.model_digest).text(i.tokenizer_digest).u32(i.vocab_size)
+
+
+def _read_identity(r: Reader) -> Identity:
+    return Identity(r.text(), r.text(), r.u32())
+
+
+@dataclass(frozen=True)
+class SessionOpen:
+    session_id: bytes
+    target: Identity
+    draft: Identity
+    params: SamplingParams
+    prompt_digest: bytes
+    proposer_key_id: str
+    capture_layers: tuple[int, ...] = ()
+
+    def encode(self) -> bytes:
+        w = Writer("session-open").raw(self.session_id, 16)
+        _identity(w, self.target)
+        _identity(w, self.draft)
+        _params(w, self.params)
+        w.raw(self.prompt_digest, 32).text(self.proposer_key_id).u32s(self.capture_layers)
+        return w.bytes()
+
+    @classmethod
+    def decode(cls, data: bytes) -> SessionOpen:
+        r = Reader(data, "session-open")
+        out = cls(
+            r.raw(16),
+            _read_identity(r),
+            _read_identity(r),
+            _read_params(r),
+            r.raw(32),
+            r.text(),
+            tuple(r.u32s()),
+        )
+        r.end()
+        return out
+
+    def genesis_head(self) -> bytes:
+        return sha256(self.encode())
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    session_id: bytes
+    round: int
+    epoch: int
+    expected_head: bytes
+    frontier: int
+    drafts: tuple[int, ...]
+    q_rows: tuple[SparseRow, ...]
+    pre_state_digest: bytes
+    transcript_digests: tuple[bytes, ...]
+    proposer_key_id: str
+
+    def encode(self) -> bytes:
+        w = Writer("round-request").raw(self.session_id, 16).u64(self.round).u64(self.epoch)
+        w.raw(self.expected_head, 32).u32(self.frontier).u32s(self.drafts).u32(len(self.q_rows))
+        for row in self.q_rows:
+            w.u32s(int(t) for t in row.ids).f64s(float(x) for x in row.weights)
+        w.raw(self.pre_state_digest, 32).blobs(self.transcript_digests).text(self.proposer_key_id)
+        return w.bytes()
+
+    @classmethod
+    def decode(cls, data: bytes) -> RoundRequest:
+        r = Reader(data, "round-request")
+        head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.u32(), tuple(r.u32s()))
+        rows = tuple(
+            SparseRow(np.array(r.u32s(), dtype=np.int64), np.array(r.f64s(), dtype=np.float64))
+            for _ in range(r.u32())
+        )
+        out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text())
+        r.end()
+        return out
+
+    def digest(self) -> bytes:
+        return sha256(self.encode())
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    session_id: bytes
+    round: int
+    epoch: int
+    prev_head: bytes
+    request_digest: bytes
+    frontier: int
+    drafts: tuple[int, ...]
+    accepted: int
+    next_frontier: int
+    post_state_digest: bytes
+    transcript_digest: bytes
+    capture_digests: tuple[bytes, ...]
+    head: bytes
+    verifier_key_id: str
+
+    def _body(self, w: Writer) -> Writer:
+        w.raw(self.session_id, 16).u64(self.round).u64(self.epoch).raw(self.prev_head, 32)
+        w.raw(self.request_digest, 32).u32(self.frontier).u32s(self.drafts).u32(self.accepted)
+        w.u32(self.next_frontier).raw(self.post_state_digest, 32)
+        w.raw(self.transcript_digest, 32).blobs(self.capture_digests)
+        return w
+
+    def record_bytes(self) -> bytes:
+        """The round record the head chains over (no head, no signer)."""
+        return self._body(Writer("round-record")).bytes()
+
+    def expected_head(self) -> bytes:
+        return sha256(self.prev_head + self.record_bytes())
+
+    def encode(self) -> bytes:
+        """What the verifier signs."""
+        w = self._body(Writer("round-result"))
+        return w.raw(self.head, 32).text(self.verifier_key_id).bytes()
+
+    @classmethod
+    def decode(cls, data: bytes) -> RoundResult:
+        r = Reader(data, "round-result")
+        out = cls(
+            r.raw(16),
+            r.u64(),
+            r.u64(),
+            r.raw(32),
+            r.raw(32),
+            r.u32(),
+            tuple(r.u32s()),
+            r.u32(),
+            r.u32(),
+            r.raw(32),
+            r.raw(32),
+            tuple(r.blobs()),
+            r.raw(32),
+            r.text(),
+        )
+        r.end()
+        return out
+
+    def emitted(self) -> list[int]:
+        return list(self.drafts[: self.accepted]) + [self.next_frontier]
+
+
+@dataclass(frozen=True)
+class Signed:
+    """Canonical bytes and an Ed25519 signature over exactly those bytes."""
+
+    body: bytes
+    signature: bytes
+
+    def encode(self) -> bytes:
+        return Writer("signed").blob(self.body).blob(self.signature).bytes()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Signed:
+        r = Reader(data, "signed")
+        out = cls(r.blob(), r.blob())
+        r.end()
+        return out

@@ -1,0 +1,161 @@
+"""Protobuf <-> plain records, in one place: the only code that touches both worlds.
+
+Servicers and drivers call these at the edge; inside, everything is a muser.records
+dataclass. Signatures ride beside the records and are checked over canonical bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from muser.records import Identity, RoundRequest, RoundResult, SessionOpen, Signed
+from muser.sampling import SamplingParams, SparseRow
+from muser.wire import muser_v2_pb2 as pb
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        max_tokens=p.max_tokens,
+        stop_tokens=list(p.stop_tokens),
+        seed=p.seed,
+    )
+
+
+def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Raises InvalidSamplingParamsError on values outside their ranges."""
+    return SamplingParams(
+        temperature=m.temperature,
+        top_k=m.top_k,
+        top_p=m.top_p,
+        max_tokens=m.max_tokens,
+        stop_tokens=tuple(m.stop_tokens),
+        seed=m.seed,
+    )
+
+
+def identity_to_pb(i: Identity) -> pb.ModelIdentity:
+    return pb.ModelIdentity(
+        model_digest=i.model_digest, tokenizer_digest=i.tokenizer_digest, vocab_size=i.vocab_size
+    )
+
+
+def identity_from_pb(m: pb.ModelIdentity) -> Identity:
+    return Identity(m.model_digest, m.tokenizer_digest, m.vocab_size)
+
+
+def open_to_pb(
+    o: SessionOpen, epoch: int, signature: bytes, fragments: dict[bytes, bytes]
+) -> pb.OpenSessionRequest:
+    return pb.OpenSessionRequest(
+        session_id=o.session_id,
+        target=identity_to_pb(o.target),
+        draft=identity_to_pb(o.draft),
+        params=params_to_pb(o.params),
+        prompt_digest=o.prompt_digest,
+        proposer_key_id=o.proposer_key_id,
+        epoch=epoch,
+        capture_layers=list(o.capture_layers),
+        genesis_head=o.genesis_head(),
+        signature=signature,
+        fragments=[pb.Fragment(digest=d, data=b) for d, b in fragments.items()],
+    )
+
+
+def open_from_pb(m: pb.OpenSessionRequest) -> SessionOpen:
+    return SessionOpen(
+        m.session_id,
+        identity_from_pb(m.target),
+        identity_from_pb(m.draft),
+        params_from_pb(m.params),
+        m.prompt_digest,
+        m.proposer_key_id,
+        tuple(m.capture_layers),
+    )
+
+
+def request_to_pb(signed: Signed) -> pb.RoundRequest:
+    r = RoundRequest.decode(signed.body)
+    return pb.RoundRequest(
+        session_id=r.session_id,
+        round=r.round,
+        epoch=r.epoch,
+        expected_head=r.expected_head,
+        frontier=r.frontier,
+        drafts=list(r.drafts),
+        q_rows=[
+            pb.SparseRow(ids=[int(t) for t in q.ids], weights=[float(x) for x in q.weights])
+            for q in r.q_rows
+        ],
+        pre_state_digest=r.pre_state_digest,
+        transcript_digests=list(r.transcript_digests),
+        proposer_key_id=r.proposer_key_id,
+        signature=signed.signature,
+    )
+
+
+def request_from_pb(m: pb.RoundRequest) -> Signed:
+    """The canonical request re-derived from the fields, with the proposer's signature."""
+    r = RoundRequest(
+        m.session_id,
+        m.round,
+        m.epoch,
+        m.expected_head,
+        m.frontier,
+        tuple(m.drafts),
+        tuple(
+            SparseRow(np.array(q.ids, dtype=np.int64), np.array(q.weights, dtype=np.float64))
+            for q in m.q_rows
+        ),
+        m.pre_state_digest,
+        tuple(m.transcript_digests),
+        m.proposer_key_id,
+    )
+    return Signed(r.encode(), m.signature)
+
+
+def result_to_pb(signed: Signed, timings: dict[str, float] | None = None) -> pb.RoundResult:
+    r = RoundResult.decode(signed.body)
+    t = timings or {}
+    return pb.RoundResult(
+        session_id=r.session_id,
+        round=r.round,
+        epoch=r.epoch,
+        prev_head=r.prev_head,
+        request_digest=r.request_digest,
+        frontier=r.frontier,
+        drafts=list(r.drafts),
+        accepted=r.accepted,
+        next_frontier=r.next_frontier,
+        post_state_digest=r.post_state_digest,
+        transcript_digest=r.transcript_digest,
+        capture_digests=list(r.capture_digests),
+        head=r.head,
+        verifier_key_id=r.verifier_key_id,
+        signature=signed.signature,
+        verify_s=t.get("verify_s", 0.0),
+        wal_s=t.get("wal_s", 0.0),
+        sign_s=t.get("sign_s", 0.0),
+    )
+
+
+def result_from_pb(m: pb.RoundResult) -> Signed:
+    r = RoundResult(
+        m.session_id,
+        m.round,
+        m.epoch,
+        m.prev_head,
+        m.request_digest,
+        m.frontier,
+        tuple(m.drafts),
+        m.accepted,
+        m.next_frontier,
+        m.post_state_digest,
+        m.transcript_digest,
+        tuple(m.capture_digests),
+        m.head,
+        m.verifier_key_id,
+    )
+    return Signed(r.encode(), m.signature)

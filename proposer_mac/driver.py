@@ -1,0 +1,170 @@
+"""The round driver: one task per session, drafting, journaling and committing rounds.
+
+Per round (DESIGN.md §5, the proposer's steps):
+  1. draft (in the single draft thread: the draft backend is shared by all sessions);
+  2. PREPARED(session, r, signed request) appended and fsynced;
+  3. send; on `LinkDown` reconnect with backoff and re-send the same bytes;
+  4. check the signed result (enrolled verifier key, head chain, MT state, transcript);
+  5. COMMITTED appended and fsynced; only then are the tokens handed to clients;
+  6. ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from muser.records import tokens_bytes
+from muser.round import plan_depth
+from muser.stats import LaneStats
+from muser.wire import convert
+from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from proposer_mac import journal
+from proposer_mac.drafting import Drafter
+from proposer_mac.link import LinkDown, RoundRefused, RoundStream
+from proposer_mac.session import ProposerSession
+
+log = logging.getLogger("muser.proposer")
+
+
+class SessionRunner:
+    """Drives one session to completion and lets clients wait for its tokens."""
+
+    def __init__(self, session: ProposerSession, drafter: Drafter, core: DriverContext):
+        self.session, self.drafter, self.core = session, drafter, core
+        self.stats = LaneStats()
+        self.changed = asyncio.Condition()
+        self.error: Exception | None = None
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(
+            self._run(), name=f"session-{self.session.session_id.hex()[:8]}"
+        )
+
+    async def wait_tokens(self, offset: int) -> tuple[list[int], bool]:
+        """Block until tokens beyond `offset` exist, the session ends, or it fails."""
+        async with self.changed:
+            await self.changed.wait_for(
+                lambda: len(self.session.emitted) > offset or self.session.done or self.error
+            )
+        if self.error is not None and len(self.session.emitted) <= offset:
+            raise self.error
+        return self.session.emitted[offset:], self.session.done
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            await self._drive()
+        except Exception as exc:  # a failed session is reported to its clients, not lost
+            log.error("session %s failed: %s", self.session.session_id.hex()[:8], exc)
+            self.error = exc
+        finally:
+            self.stats.wall_s += time.perf_counter() - start
+            await self._notify()
+
+    async def _drive(self) -> None:
+        s, core = self.session, self.core
+        backoff = 0.05
+        stream: RoundStream | None = None
+        while not s.done:
+            try:
+                if stream is None:
+                    stream = await core.attach(s)
+                    backoff = 0.05
+                if s.prepared is None:
+                    await self._prepare()
+                t0 = time.perf_counter()
+                signed, raw = await stream.round_trip(s.prepared, s.fragments)
+                t1 = time.perf_counter()
+            except LinkDown as exc:
+                log.warning(
+                    "session %s round %d: %s; reconnecting in %.2fs",
+                    s.session_id.hex()[:8],
+                    s.next_round,
+                    exc,
+                    backoff,
+                )
+                if stream is not None:
+                    stream.close()
+                stream = None
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            result = s.check_result(s.prepared, signed, core.verifiers)
+            await core.log.append_async(
+                journal.encode_committed(s.session_id, result.round, signed)
+            )
+            t2 = time.perf_counter()
+            tokens = s.apply(result)
+            self.stats.observe_round(len(result.drafts), result.accepted, len(tokens))
+            remote = raw.verify_s + raw.wal_s + raw.sign_s
+            self.stats.verify_s += raw.verify_s
+            self.stats.wal_s += raw.wal_s + (t2 - t1)
+            self.stats.sign_s += raw.sign_s
+            self.stats.transport_s += max(0.0, (t1 - t0) - remote)
+            stream.ack(result.round)
+            await self._notify()
+        await core.log.append_async(journal.encode_done(s.session_id))
+        if stream is not None:
+            stream.close()
+
+    async def _prepare(self) -> None:
+        s = self.session
+        depth = plan_depth(s.draft_len, s.params.max_tokens - len(s.emitted))
+        t0 = time.perf_counter()
+        proposal = await asyncio.get_running_loop().run_in_executor(
+            self.core.draft_pool, self.drafter.draft, list(s.transcript), s.state, depth
+        )
+        self.stats.draft_s += time.perf_counter() - t0
+        signed = s.build_request(proposal.drafts, proposal.q_rows, self.core.private)
+        await self.core.log.append_async(
+            journal.encode_prepared(s.session_id, s.next_round, signed)
+        )
+        s.prepared = signed
+
+
+class DriverContext:
+    """What every session runner shares: keys, the journal, the verifier channel."""
+
+    def __init__(
+        self,
+        *,
+        private: Ed25519PrivateKey,
+        verifiers: dict[str, Ed25519PublicKey],
+        log,
+        channel: grpc.aio.Channel,
+    ):
+        self.private, self.verifiers, self.log = private, verifiers, log
+        self.stub = pb_grpc.VerifierStub(channel)
+        self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+
+    async def open_remote(self, s: ProposerSession) -> None:
+        """Open (or idempotently re-open) the session on the verifier."""
+        body = s.open.encode()
+        request = convert.open_to_pb(
+            s.open,
+            s.epoch,
+            self.private.sign(body),
+            {s.open.prompt_digest: tokens_bytes(s.prompt)},
+        )
+        try:
+            await self.stub.OpenSession(request, wait_for_ready=True, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise LinkDown(f"open session: {exc.code().name}: {exc.details()}") from exc
+            raise RoundRefused(exc.code(), "open", exc.details() or "") from exc
+
+    async def attach(self, s: ProposerSession) -> RoundStream:
+        await self.open_remote(s)
+        return RoundStream(self.stub, s.session_id, s.epoch)
+

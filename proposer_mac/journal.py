@@ -1,0 +1,112 @@
+"""The proposer's session journal: what it promised and what the verifier signed.
+
+Entries (canonical, domain "proposer-journal"; a tag byte first):
+
+    OPEN       session open record, epoch, prompt tokens, draft length
+    PREPARED   round, Signed(RoundRequest) — journaled and fsynced before it is sent
+    COMMITTED  round, Signed(RoundResult)  — journaled and fsynced before any token is emitted
+    DONE       session finished (max tokens or a stop token)
+
+Replaying the journal rebuilds every session: transcript, head, MT state, the request still
+in flight (re-sent byte for byte on restart; the verifier answers it from its WAL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from muser.canonical import Reader, Writer
+from muser.records import RoundRequest, RoundResult, SessionOpen, Signed
+
+DOMAIN = "proposer-journal"
+OPEN, PREPARED, COMMITTED, DONE = 1, 2, 3, 4
+
+
+def encode_open(open_: SessionOpen, epoch: int, prompt: list[int], draft_len: int) -> bytes:
+    return (
+        Writer(DOMAIN).u32(OPEN).blob(open_.encode()).u64(epoch).u32s(prompt).u32(draft_len).bytes()
+    )
+
+
+def encode_prepared(session_id: bytes, round_: int, signed: Signed) -> bytes:
+    return (
+        Writer(DOMAIN).u32(PREPARED).raw(session_id, 16).u64(round_).blob(signed.encode()).bytes()
+    )
+
+
+def encode_committed(session_id: bytes, round_: int, signed: Signed) -> bytes:
+    return (
+        Writer(DOMAIN).u32(COMMITTED).raw(session_id, 16).u64(round_).blob(signed.encode()).bytes()
+    )
+
+
+def encode_done(session_id: bytes) -> bytes:
+    return Writer(DOMAIN).u32(DONE).raw(session_id, 16).bytes()
+
+
+@dataclass
+class JournaledSession:
+    open: SessionOpen
+    epoch: int
+    prompt: list[int]
+    draft_len: int
+    committed: list[Signed] = field(default_factory=list)
+    prepared: Signed | None = None
+    """The request in flight: PREPARED with no COMMITTED after it."""
+    done: bool = False
+
+
+def replay(payloads) -> dict[bytes, JournaledSession]:
+    """Rebuild sessions from journal payloads in order."""
+    sessions: dict[bytes, JournaledSession] = {}
+    for payload in payloads:
+        r = Reader(payload, DOMAIN)
+        tag = r.u32()
+        if tag == OPEN:
+            open_ = SessionOpen.decode(r.blob())
+            sessions[open_.session_id] = JournaledSession(open_, r.u64(), r.u32s(), r.u32())
+        elif tag in (PREPARED, COMMITTED):
+            sid, round_, signed = r.raw(16), r.u64(), Signed.decode(r.blob())
+            s = sessions[sid]
+            if tag == PREPARED:
+                s.prepared = signed
+            else:
+                if round_ != len(s.committed):
+                    raise ValueError(f"journal: round {round_} committed after {len(s.committed)}")
+                s.committed.append(signed)
+                s.prepared = None
+        elif tag == DONE:
+            sessions[r.raw(16)].done = True
+        else:
+            raise ValueError(f"journal: unknown entry tag {tag}")
+        r.end()
+    return sessions
+
+
+def describe(payload: bytes) -> dict:
+    """A JSON-able description of one entry (for `muser wal inspect`)."""
+    r = Reader(payload, DOMAIN)
+    tag = r.u32()
+    if tag == OPEN:
+        open_ = SessionOpen.decode(r.blob())
+        return {
+            "entry": "open",
+            "session": open_.session_id.hex(),
+            "epoch": r.u64(),
+            "genesis_head": open_.genesis_head().hex(),
+        }
+    if tag in (PREPARED, COMMITTED):
+        sid, round_, signed = r.raw(16), r.u64(), Signed.decode(r.blob())
+        out = {
+            "entry": "prepared" if tag == PREPARED else "committed",
+            "session": sid.hex(),
+            "round": round_,
+        }
+        if tag == COMMITTED:
+            out["head"] = RoundResult.decode(signed.body).head.hex()
+        else:
+            out["request_digest"] = RoundRequest.decode(signed.body).digest().hex()
+        return out
+    if tag == DONE:
+        return {"entry": "done", "session": r.raw(16).hex()}
+    raise ValueError(f"unknown entry tag {tag}")
