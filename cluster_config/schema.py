@@ -23,7 +23,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _check_address(value: str) -> str:
+def _check_address(value: str | None) -> str | None:
+    if value is None:
+        return None
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
@@ -31,8 +33,9 @@ def _check_address(value: str) -> str:
 
 
 class VerifierNode(_Strict):
-    address: str = Field(
-        description="HOST:PORT the verifier's gRPC server binds and is reached at."
+    address: str = Field(description="HOST:PORT proposers reach the verifier at.")
+    bind: str | None = Field(
+        None, description="HOST:PORT the verifier's server binds (default: address)."
     )
     key: Path = Field(description="The verifier's Ed25519 private key (PEM, 0600).")
     public_key: Path = Field(description="Its public key; proposers enrol it.")
@@ -44,11 +47,18 @@ class VerifierNode(_Strict):
     )
     device: str = Field("cpu", description="torch device for the target (cpu, cuda, cuda:1).")
 
-    _addr = field_validator("address")(_check_address)
+    _addr = field_validator("address", "bind")(_check_address)
+
+    @property
+    def bind_address(self) -> str:
+        return self.bind or self.address
 
 
 class ProposerNode(_Strict):
-    address: str = Field(description="HOST:PORT of the proposer's client-facing gRPC server.")
+    address: str = Field(description="HOST:PORT clients reach the proposer's gRPC server at.")
+    bind: str | None = Field(
+        None, description="HOST:PORT the proposer's server binds (default: address)."
+    )
     key: Path = Field(description="The proposer's Ed25519 private key (signs round requests).")
     public_key: Path = Field(description="Its public key; verifiers enrol it.")
     wal_dir: Path = Field(description="Session journal directory (PREPARED/COMMITTED).")
@@ -58,7 +68,11 @@ class ProposerNode(_Strict):
         "auto", description="mlx device: auto picks Metal when available, else CPU."
     )
 
-    _addr = field_validator("address")(_check_address)
+    _addr = field_validator("address", "bind")(_check_address)
+
+    @property
+    def bind_address(self) -> str:
+        return self.bind or self.address
 
 
 class Lane(_Strict):

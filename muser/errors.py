@@ -83,3 +83,92 @@ class CaptureLayerError(RefusedError):
 
 class UnknownBackendError(RefusedError):
     """A backend kind that is not one of the implemented kinds."""
+
+
+# --- the verifier's sessions and round transaction (DESIGN.md §5, §6) ------------------------
+# Each maps to one gRPC status in verifier_gx/servicer.py (the table is there).
+
+
+class UnknownSessionError(RefusedError):
+    """A session id the verifier never opened."""
+
+
+class SessionClosedError(RefusedError):
+    """A session that was closed; its id is never reused."""
+
+
+class SessionConflictError(RefusedError):
+    """A different SessionOpen under an id that is already open."""
+
+
+class SessionLimitError(RefusedError):
+    """Opening one more session would exceed limits.max_sessions."""
+
+
+class SessionFinishedError(RefusedError):
+    """A round for a session that already emitted max_tokens or a stop token."""
+
+
+class UnenrolledKeyError(RefusedError):
+    """A proposer key that is not enrolled (or not the key that opened the session)."""
+
+
+class StaleEpochError(RefusedError):
+    """A fencing epoch lower than the session's: another proposer took the session over."""
+
+
+class FutureEpochError(RefusedError):
+    """A fencing epoch higher than the session's without an open at that epoch."""
+
+
+class EquivocationError(RefusedError):
+    """A different request at an already committed (session, round)."""
+
+
+class RoundOutOfOrderError(RefusedError):
+    """A round index other than the session's next round."""
+
+
+class HeadMismatchError(RefusedError):
+    """A request whose expected head is not the session's head."""
+
+
+class GenesisMismatchError(RefusedError):
+    """The genesis head a proposer sent differs from the one recomputed from its open."""
+
+
+class FrontierMismatchError(RefusedError):
+    """A request's frontier is not the last token of the committed transcript."""
+
+
+class MissingFragmentsError(RefusedError):
+    """Fragments a message names that the receiver does not hold; send them and retry."""
+
+    def __init__(self, message: str, missing: list[bytes]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+
+
+class FragmentHashMismatchError(RefusedError):
+    """Fragment bytes that do not hash to the digest they came with."""
+
+
+class FragmentMismatchError(RefusedError):
+    """A well-formed fragment whose content disagrees with the committed session."""
+
+
+class DraftOverrunError(RoundValidationError):
+    """More drafts than the session may still emit (a round emits up to D + 1 tokens)."""
+
+
+class InvalidPromptError(RefusedError):
+    """A prompt fragment that is empty or not a whole number of u32 token ids."""
+
+
+class NotAttachedError(RefusedError):
+    """A round stream message before Attach, or for a session the stream is not attached to."""
+
+
+class JournalError(RefusedError):
+    """Commit-log entries that do not replay: a broken hash chain, a bad signature, an
+    entry for an unknown session. The daemon refuses to start on such a log."""

@@ -227,7 +227,7 @@ async def create_server(config: ClusterConfig, *, draft=None, target_identity=No
     pb_grpc.add_ProposerServicer_to_server(ProposerServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.proposer.address)
+    port = server.add_insecure_port(config.proposer.bind_address)
     if port == 0:
         raise RefusedError(f"cannot bind the proposer address {config.proposer.address}")
     await server.start()
@@ -240,7 +240,7 @@ async def create_server(config: ClusterConfig, *, draft=None, target_identity=No
 
 async def _serve(config: ClusterConfig) -> None:
     server, port = await create_server(config)
-    host = config.proposer.address.rpartition(":")[0]
+    host = config.proposer.bind_address.rpartition(":")[0]
     print(
         f"proposer listening on {host}:{port} key={server.core.key_id}", file=sys.stderr, flush=True
     )

@@ -167,4 +167,3 @@ class DriverContext:
     async def attach(self, s: ProposerSession) -> RoundStream:
         await self.open_remote(s)
         return RoundStream(self.stub, s.session_id, s.epoch)
-

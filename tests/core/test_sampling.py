@@ -89,3 +89,14 @@ def test_invalid_sampling_params_refused_with_the_value(kwargs, message):
 def test_q_top_k_must_be_positive():
     with pytest.raises(InvalidSamplingParamsError, match="q_top_k must be >= 1, got 0"):
         draft_row(np.zeros(3), SamplingParams(temperature=1.0), q_top_k=0)
+
+
+def test_top_k_ids_equals_a_stable_descending_sort_including_ties():
+    from muser.sampling import top_k_ids
+
+    gen = np.random.default_rng(0)
+    for _ in range(300):
+        p = gen.integers(0, 6, size=int(gen.integers(1, 40))).astype(np.float64)
+        k = int(gen.integers(1, p.size + 1))
+        expected = np.sort(np.argsort(-p, kind="stable")[:k])
+        assert top_k_ids(p, k).tolist() == expected.tolist()

@@ -1,0 +1,112 @@
+"""A loopback TCP proxy that can cut every live connection and inject a round-trip delay.
+
+Used by the crash tests (cut the proposer↔verifier link mid-stream) and by the bench
+harness (an injected RTT between the daemons). It only ever listens on and connects to the
+addresses it is given, which callers keep on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+class TcpProxy:
+    def __init__(
+        self, upstream: tuple[str, int], *, listen_host: str = "127.0.0.1", delay_s: float = 0.0
+    ) -> None:
+        self.upstream, self.listen_host = upstream, listen_host
+        self.delay_s = delay_s
+        """One-way delay added to each chunk in each direction (RTT = 2 × delay_s)."""
+        self.port = 0
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True, name="tcp-proxy")
+
+    def __enter__(self) -> TcpProxy:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, self.listen_host, 0)
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self.connections += 1
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+    def cut(self) -> int:
+        """Reset every live connection (new ones are still accepted); returns how many."""
+
+        def _cut() -> int:
+            n = len(self._writers)
+            for w in list(self._writers):
+                transport = w.transport
+                if transport is not None:
+                    transport.abort()
+            return n
+
+        return self._call(_cut)
+
+    def _call(self, fn):
+        done = threading.Event()
+        box = {}
+
+        def run() -> None:
+            box["v"] = fn()
+            done.set()
+
+        self._loop.call_soon_threadsafe(run)
+        done.wait(10)
+        return box.get("v")
+
+    def close(self) -> None:
+        if not self._loop.is_running():
+            return
+
+        async def shutdown() -> None:
+            self._server.close()
+            for w in list(self._writers):
+                if w.transport is not None:
+                    w.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

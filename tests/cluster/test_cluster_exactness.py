@@ -1,0 +1,101 @@
+"""The cluster lane on real daemons emits exactly what the oracle and the local lane emit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from muser.cli.cluster_client import stream_generate
+from muser.fixtures import natural_prompts
+from muser.sampling import SamplingParams
+from proposer_mac.backends import load_draft_backend
+from proposer_mac.local_lane import run_local
+from tests.cluster.harness import muser
+from verifier_gx.backends import load_target_backend
+from verifier_gx.plain import run_plain
+
+
+@pytest.fixture(scope="module")
+def models(fixture_pair):
+    tok = AutoTokenizer.from_pretrained(str(fixture_pair.target))
+    target = load_target_backend("torch", fixture_pair.target)
+    draft = load_draft_backend("torch", fixture_pair.draft)
+    return tok, target, draft
+
+
+def encode(tok, text):
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def test_greedy_cluster_equals_plain_on_8_natural_prompts_x_256(cluster, models):
+    tok, target, _ = models
+    params = SamplingParams(temperature=0.0, max_tokens=256)
+    for i, text in enumerate(natural_prompts(8)):
+        prompt = encode(tok, text)
+        target.reset()
+        oracle = run_plain(target, prompt, params).tokens
+        got = stream_generate(cluster.address, prompt, params)
+        assert got["tokens"] == oracle, f"prompt {i}: cluster differs from plain decode"
+        assert len(got["tokens"]) == 256
+
+
+def test_sampled_cluster_equals_local_lane_token_for_token(cluster, models):
+    tok, target, draft = models
+    for seed, (temperature, top_k, top_p) in enumerate([(1.0, 0, 1.0), (0.8, 40, 0.95)]):
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=96, seed=100 + seed
+        )
+        prompt = encode(tok, natural_prompts(2)[seed])
+        target.reset()
+        draft.reset()
+        local = run_local(target, draft, prompt, params, draft_len=4, q_top_k=32).tokens
+        got = stream_generate(cluster.address, prompt, params)
+        assert got["tokens"] == local
+
+
+def test_generate_cli_cluster_json_has_the_local_lane_shape(cluster):
+    out = muser(
+        "generate",
+        "--lane",
+        "cluster",
+        "--config",
+        str(cluster.config_path),
+        "--prompt",
+        "def main(args):\n",
+        "--max-tokens",
+        "24",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["lane"] == "cluster"
+    assert len(result["tokens"]) == 24
+    assert {
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance",
+        "tokens_per_round",
+        "wall_s",
+        "tokens_per_s",
+    } <= result["stats"].keys()
+    local = muser(
+        "generate",
+        "--lane",
+        "local",
+        "--prompt",
+        "def main(args):\n",
+        "--max-tokens",
+        "24",
+        "--json",
+    )
+    assert json.loads(local.stdout)["tokens"] == result["tokens"]
+
+
+def test_status_waits_for_both_daemons(cluster):
+    out = muser("status", "--config", str(cluster.config_path), "--wait", "60", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["healthy"] and report["verifier"]["serving"] and report["proposer"]["serving"]

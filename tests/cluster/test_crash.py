@@ -1,0 +1,153 @@
+"""Crashes: SIGKILL either daemon at random points, or cut the link, mid-generation.
+
+Every time the final tokens equal the uncrashed run, the client sees no gap and no repeat
+(stream_generate refuses an event whose offset is not the count it holds), and
+`muser wal verify` passes on both WALs afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from muser.cli.cluster_client import stream_generate
+from muser.fixtures import natural_prompts
+from muser.netproxy import TcpProxy
+from muser.sampling import SamplingParams
+from tests.cluster.conftest import make_cluster
+from tests.cluster.harness import muser
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=160, seed=4242)
+
+
+def _prompt(pair):
+    tok = AutoTokenizer.from_pretrained(str(pair.target))
+    return list(tok.encode(natural_prompts(3)[2], add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, fixture_pair):
+    """The uncrashed cluster run."""
+    c = make_cluster(tmp_path_factory.mktemp("reference"), fixture_pair, draft_len=2)
+    c.start()
+    try:
+        return stream_generate(c.address, _prompt(fixture_pair), PARAMS)["tokens"]
+    finally:
+        c.stop()
+
+
+class Client(threading.Thread):
+    def __init__(self, address, prompt, params):
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.params = address, prompt, params
+        self.count = 0
+        self.result = None
+        self.error = None
+
+    def run(self):
+        def seen(event):
+            self.count += len(event.tokens)
+
+        try:
+            self.result = stream_generate(self.address, self.prompt, self.params, on_event=seen)
+        except Exception as exc:  # reported by the test thread
+            self.error = exc
+
+    def wait_for(self, count: int, timeout: float = 120) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.count < count and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.count >= count
+
+
+def crash_run(cluster, prompt, victim: str, points: int, seed: int, proxy=None):
+    rng = random.Random(seed)
+    thresholds = sorted(rng.sample(range(2, PARAMS.max_tokens - 8), points))
+    client = Client(cluster.address, prompt, PARAMS)
+    client.start()
+    hits = 0
+    for threshold in thresholds:
+        if not client.wait_for(threshold):
+            break
+        time.sleep(rng.uniform(0, 0.01))  # land anywhere inside a round's transaction
+        if victim == "link":
+            proxy.cut()
+        else:
+            daemon = getattr(cluster, victim)
+            daemon.kill()
+            daemon.start()
+        hits += 1
+    client.join(300)
+    assert client.error is None, (
+        f"client failed: {client.error}\n{cluster.proposer.log_text()[-3000:]}"
+    )
+    return client.result, hits
+
+
+def assert_wals_verify(cluster):
+    for role in ("verifier", "proposer"):
+        wal_dir = getattr(cluster.config, role).wal_dir
+        out = muser(
+            "wal", "verify", str(wal_dir), "--pubkey", str(getattr(cluster.config, role).public_key)
+        )
+        assert out.returncode == 0, f"{role} WAL: {out.stdout}{out.stderr}"
+
+
+@pytest.mark.parametrize("victim", ["verifier", "proposer"])
+def test_sigkill_at_ten_random_points_changes_nothing(tmp_path, fixture_pair, reference, victim):
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
+    cluster.start()
+    try:
+        result, hits = crash_run(
+            cluster, _prompt(fixture_pair), victim, 10, seed=hash(victim) & 0xFFFF
+        )
+        assert hits >= 10, f"only {hits} kill points landed before the generation ended"
+        assert result["tokens"] == reference
+    finally:
+        cluster.stop()
+    assert_wals_verify(cluster)
+
+
+def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, reference):
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
+    host, port = cluster.config.verifier.address.rsplit(":", 1)
+    proxy = TcpProxy((host, int(port)))
+    proxy.start()
+    text = cluster.config_path.read_text()
+    cluster.config_path.write_text(
+        text.replace(
+            f'address = "{cluster.config.verifier.address}"',
+            f'address = "127.0.0.1:{proxy.port}"\nbind = "{cluster.config.verifier.address}"',
+        )
+    )
+    cluster.start()
+    try:
+        result, hits = crash_run(cluster, _prompt(fixture_pair), "link", 10, seed=7, proxy=proxy)
+        assert hits >= 10
+        assert result["tokens"] == reference
+        assert proxy.connections > 1  # the proposer really reconnected
+    finally:
+        cluster.stop()
+        proxy.close()
+    assert_wals_verify(cluster)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["verifier", "proposer"])
+def test_sigkill_at_a_hundred_random_points(tmp_path, fixture_pair, reference, victim):
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
+    cluster.start()
+    try:
+        total = 0
+        for run in range(10):
+            result, hits = crash_run(cluster, _prompt(fixture_pair), victim, 10, seed=run)
+            total += hits
+            assert result["tokens"] == reference
+        assert total >= 100
+    finally:
+        cluster.stop()
+    assert_wals_verify(cluster)

@@ -1,0 +1,55 @@
+"""The loopback proxy forwards bytes, adds its delay and cuts live connections."""
+
+import socket
+import socketserver
+import threading
+import time
+
+import pytest
+
+from muser.netproxy import TcpProxy
+
+
+class Echo(socketserver.BaseRequestHandler):
+    def handle(self):
+        while data := self.request.recv(4096):
+            self.request.sendall(data)
+
+
+@pytest.fixture
+def echo_server():
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address
+    server.shutdown()
+    server.server_close()
+
+
+def round_trip(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(payload)
+        return s.recv(4096)
+
+
+def test_forwards_and_delays(echo_server):
+    with TcpProxy(echo_server, delay_s=0.02) as proxy:
+        start = time.perf_counter()
+        assert round_trip(proxy.port, b"hello") == b"hello"
+        assert time.perf_counter() - start >= 0.04  # two one-way delays
+
+
+def test_cut_resets_live_connections_and_new_ones_work(echo_server):
+    with TcpProxy(echo_server) as proxy:
+        s = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+        s.sendall(b"a")
+        assert s.recv(10) == b"a"
+        assert proxy.cut() == 2  # client side and upstream side
+        s.settimeout(5)
+        try:
+            got = s.recv(10)
+        except ConnectionResetError:
+            got = b""
+        assert got == b""
+        s.close()
+        assert round_trip(proxy.port, b"again") == b"again"

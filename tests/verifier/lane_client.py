@@ -1,0 +1,198 @@
+"""A small in-test proposer: correctly signed requests drafted with the proposer's rule
+(proposer_mac.drafting.Drafter), results checked against the head chain and the MT draws."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from muser import keys
+from muser.backend import ModelBackend
+from muser.mt19937 import Mt19937
+from muser.records import (
+    Identity,
+    RoundRequest,
+    RoundResult,
+    SessionOpen,
+    Signed,
+    advance,
+    draws_for_round,
+    sha256,
+    state_digest,
+    tokens_bytes,
+    transcript_chunks,
+    transcript_digest,
+)
+from muser.round import clip_emission, plan_depth
+from muser.sampling import SamplingParams
+from muser.wire import convert
+from muser.wire import muser_v2_pb2 as pb
+from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from proposer_mac.drafting import Drafter
+
+
+def identity_of(backend: ModelBackend) -> Identity:
+    i = backend.identity
+    return Identity(i.model_digest, i.tokenizer_digest, i.vocab_size)
+
+
+class Stream:
+    """One Rounds call, driven with write/read."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub) -> None:
+        self.call = stub.Rounds()
+
+    async def send(self, **kind) -> None:
+        await self.call.write(pb.ProposerMessage(**kind))
+
+    async def attach(self, session_id: bytes, epoch: int) -> None:
+        await self.send(attach=pb.Attach(session_id=session_id, epoch=epoch))
+
+    async def fragment(self, digest: bytes, data: bytes) -> None:
+        await self.send(fragment=pb.Fragment(digest=digest, data=data))
+
+    async def read(self) -> pb.VerifierMessage:
+        msg = await self.call.read()
+        if msg is grpc.aio.EOF:
+            raise AssertionError("the verifier closed the stream")
+        return msg
+
+    async def round_trip(self, request: pb.RoundRequest) -> tuple[pb.VerifierMessage, list]:
+        """Send one request; return the result/error message and the fragments before it."""
+        await self.send(request=request)
+        fragments = []
+        while True:
+            msg = await self.read()
+            if msg.WhichOneof("kind") != "fragment":
+                return msg, fragments
+            fragments.append(msg.fragment)
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        self.call.cancel()
+
+
+@dataclass
+class LaneClient:
+    stub: pb_grpc.VerifierStub
+    key: Ed25519PrivateKey
+    verifier_public: Ed25519PublicKey
+    target: Identity
+    draft: ModelBackend
+    params: SamplingParams
+    prompt: list[int]
+    draft_len: int = 3
+    q_top_k: int = 5
+    epoch: int = 1
+    capture_layers: tuple[int, ...] = ()
+    session_id: bytes = field(default_factory=lambda: os.urandom(16))
+    results: list[Signed] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.drafter = Drafter(self.draft, self.params, self.q_top_k)
+        self.open = SessionOpen(
+            self.session_id,
+            self.target,
+            identity_of(self.draft),
+            self.params,
+            sha256(tokens_bytes(self.prompt)),
+            keys.key_id(self.key.public_key()),
+            tuple(self.capture_layers),
+        )
+        self.transcript = list(self.prompt)
+        self.out: list[int] = []
+        self.head = self.open.genesis_head()
+        self.mt = Mt19937.from_seed(self.params.seed)
+        self.next_round = 0
+        self.done = False
+
+    @property
+    def key_id(self) -> str:
+        return keys.key_id(self.key.public_key())
+
+    def open_pb(self, *, open_: SessionOpen | None = None, epoch: int | None = None,
+                signer: Ed25519PrivateKey | None = None,
+                fragments: dict[bytes, bytes] | None = None) -> pb.OpenSessionRequest:  # fmt: skip
+        o = open_ or self.open
+        signature = (signer or self.key).sign(o.encode())
+        if fragments is None:
+            fragments = {o.prompt_digest: tokens_bytes(self.prompt)}
+        return convert.open_to_pb(o, self.epoch if epoch is None else epoch, signature, fragments)
+
+    async def open_session(self, **kw) -> pb.OpenSessionResponse:
+        return await self.stub.OpenSession(self.open_pb(**kw))
+
+    async def attach(self) -> Stream:
+        stream = Stream(self.stub)
+        await stream.attach(self.session_id, self.epoch)
+        return stream
+
+    def fragments(self) -> dict[bytes, bytes]:
+        out = {sha256(c): c for c in transcript_chunks(self.transcript)}
+        out[state_digest(self.mt)] = self.mt.to_bytes()
+        return out
+
+    def draft_request(self) -> RoundRequest:
+        depth = plan_depth(self.draft_len, self.params.max_tokens - len(self.out))
+        proposal = self.drafter.draft(self.transcript, self.mt, depth)
+        return RoundRequest(
+            self.session_id,
+            self.next_round,
+            self.epoch,
+            self.head,
+            self.transcript[-1],
+            tuple(proposal.drafts),
+            tuple(proposal.q_rows),
+            state_digest(self.mt),
+            tuple(sha256(c) for c in transcript_chunks(self.transcript)),
+            self.key_id,
+        )
+
+    def sign(self, request: RoundRequest, key: Ed25519PrivateKey | None = None) -> pb.RoundRequest:
+        body = request.encode()
+        return convert.request_to_pb(Signed(body, (key or self.key).sign(body)))
+
+    def accept(self, request: RoundRequest, msg: pb.VerifierMessage) -> RoundResult:
+        """Check a result like a proposer does, then advance past it."""
+        if msg.WhichOneof("kind") != "result":
+            raise AssertionError(f"expected a result, got {msg}")
+        signed = convert.result_from_pb(msg.result)
+        keys.verify(self.verifier_public, signed.body, signed.signature, "result")
+        result = RoundResult.decode(signed.body)
+        depth = len(request.drafts)
+        post = advance(self.mt, draws_for_round(depth, result.accepted, self.params.greedy))
+        checks = [
+            (result.prev_head, self.head),
+            (result.head, result.expected_head()),
+            (result.request_digest, request.digest()),
+            (result.post_state_digest, state_digest(post)),
+            (result.transcript_digest, transcript_digest(self.transcript + result.emitted())),
+        ]
+        for got, expected in checks:
+            if got != expected:
+                raise AssertionError(f"result field {got.hex()} != {expected.hex()}")
+        emission = clip_emission(
+            result.emitted(), len(self.out), self.params.max_tokens, self.params.stop_tokens
+        )
+        self.mt = post
+        self.transcript += result.emitted()
+        self.out += emission.tokens
+        self.done = emission.done
+        self.head = result.head
+        self.next_round += 1
+        self.results.append(signed)
+        return result
+
+    async def step(self, stream: Stream) -> RoundResult:
+        request = self.draft_request()
+        msg, _ = await stream.round_trip(self.sign(request))
+        return self.accept(request, msg)
+
+    async def run(self, stream: Stream, rounds: int | None = None) -> None:
+        count = 0
+        while not self.done and (rounds is None or count < rounds):
+            await self.step(stream)
+            count += 1

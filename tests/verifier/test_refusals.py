@@ -1,0 +1,257 @@
+"""Every bad round input is refused with its status code, reason and a message; nothing is
+written to the WAL and the session state is unchanged (DESIGN.md §5, §6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from muser.records import RoundRequest, sha256
+from muser.sampling import SamplingParams, SparseRow
+from muser.wire import muser_v2_pb2 as pb
+from tests.verifier.conftest import Verifier, make_config
+
+pytestmark = pytest.mark.asyncio
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
+C = grpc.StatusCode
+
+
+def with_row(request: RoundRequest, i: int, row: SparseRow) -> RoundRequest:
+    rows = list(request.q_rows)
+    rows[i] = row
+    return dataclasses.replace(request, q_rows=tuple(rows))
+
+
+def set_weight(request: RoundRequest, token_of_row: int, value: float) -> RoundRequest:
+    row = request.q_rows[0]
+    weights = row.weights.copy()
+    weights[token_of_row] = value
+    return with_row(request, 0, SparseRow(row.ids.copy(), weights))
+
+
+def drafted_position(request: RoundRequest) -> int:
+    return int(np.searchsorted(request.q_rows[0].ids, request.drafts[0]))
+
+
+def other_token(request: RoundRequest) -> RoundRequest:
+    """A draft the replayed draw does not select, though its row gives it q > 0."""
+    row = request.q_rows[0]
+    other = next(int(t) for t in row.ids if int(t) != request.drafts[0])
+    return dataclasses.replace(request, drafts=(other, *request.drafts[1:]))
+
+
+MUTATIONS = {
+    "row_count": (lambda r: dataclasses.replace(r, q_rows=r.q_rows[:-1]),
+                  C.INVALID_ARGUMENT, "row_count"),
+    "draft_outside_vocab": (lambda r: dataclasses.replace(r, drafts=(24, *r.drafts[1:])),
+                            C.INVALID_ARGUMENT, "token_out_of_vocabulary"),
+    "row_id_outside_vocab": (
+        lambda r: with_row(r, 0, SparseRow(np.append(r.q_rows[0].ids, 99),
+                                           np.append(r.q_rows[0].weights, 0.1))),
+        C.INVALID_ARGUMENT, "token_out_of_vocabulary"),
+    "nan_q_weight": (lambda r: set_weight(r, -1, float("nan")),
+                     C.INVALID_ARGUMENT, "invalid_weights"),
+    "negative_q_weight": (lambda r: set_weight(r, -1, -0.25),
+                          C.INVALID_ARGUMENT, "invalid_weights"),
+    "q_zero_for_draft": (lambda r: set_weight(r, drafted_position(r), 0.0),
+                         C.INVALID_ARGUMENT, "draft_zero_probability"),
+    "draft_not_selected_by_draws": (other_token, C.FAILED_PRECONDITION, "draft_mismatch"),
+    "too_many_drafts": (lambda r: dataclasses.replace(r, drafts=r.drafts * 20,
+                                                      q_rows=r.q_rows * 20),
+                        C.INVALID_ARGUMENT, "too_many_drafts"),
+    "stale_epoch": (lambda r: dataclasses.replace(r, epoch=r.epoch - 1),
+                    C.ABORTED, "stale_epoch"),
+    "future_epoch": (lambda r: dataclasses.replace(r, epoch=r.epoch + 1),
+                     C.FAILED_PRECONDITION, "future_epoch"),
+    "head_mismatch": (lambda r: dataclasses.replace(r, expected_head=os.urandom(32)),
+                      C.ABORTED, "head_mismatch"),
+    "round_ahead": (lambda r: dataclasses.replace(r, round=r.round + 1),
+                    C.FAILED_PRECONDITION, "round_out_of_order"),
+    "frontier_mismatch": (lambda r: dataclasses.replace(r, frontier=(r.frontier + 1) % 24),
+                          C.FAILED_PRECONDITION, "frontier_mismatch"),
+    "transcript_chunk_count": (lambda r: dataclasses.replace(
+                                   r, transcript_digests=r.transcript_digests * 2),
+                               C.FAILED_PRECONDITION, "fragment_mismatch"),
+}  # fmt: skip
+
+
+async def opened(verifier: Verifier, rounds: int = 2, **kw):
+    client = verifier.client(SAMPLED, epoch=3, **kw)
+    await client.open_session()
+    stream = await client.attach()
+    await client.run(stream, rounds=rounds)
+    return client, stream
+
+
+async def expect_refused(verifier, client, stream, request_pb, code, reason) -> pb.RoundError:
+    before = verifier.snapshot(client.session_id)
+    msg, fragments = await stream.round_trip(request_pb)
+    assert msg.WhichOneof("kind") == "error", msg
+    assert not fragments
+    err = msg.error
+    assert (grpc.StatusCode(next(c for c in C if c.value[0] == err.code)), err.reason) == (
+        code,
+        reason,
+    ), err.message
+    assert err.message and err.round == request_pb.round
+    assert verifier.snapshot(client.session_id) == before  # nothing written, nothing moved
+    return err
+
+
+async def finish_like_uncrashed(verifier, client, stream) -> None:
+    """After any refusal the session goes on exactly as if it never happened."""
+    await client.run(stream)
+    twin = verifier.client(SAMPLED, epoch=3)
+    await twin.open_session()
+    twin_stream = await twin.attach()
+    await twin.run(twin_stream)
+    assert client.out == twin.out
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+async def test_bad_request_is_refused_and_writes_nothing(verifier, case):
+    mutate, code, reason = MUTATIONS[case]
+    client, stream = await opened(verifier)
+    request = client.draft_request()
+    await expect_refused(verifier, client, stream, client.sign(mutate(request)), code, reason)
+    await finish_like_uncrashed(verifier, client, stream)
+
+
+async def test_equivocation(verifier):
+    client, stream = await opened(verifier, rounds=2)
+    request = client.draft_request()
+    msg, _ = await stream.round_trip(client.sign(request))
+    client.accept(request, msg)
+    other = dataclasses.replace(request, drafts=request.drafts[:-1], q_rows=request.q_rows[:-1])
+    err = await expect_refused(
+        verifier, client, stream, client.sign(other), C.ALREADY_EXISTS, "equivocation"
+    )
+    assert request.digest().hex() in err.message and other.digest().hex() in err.message
+
+
+async def test_unenrolled_key_and_bad_signature(verifier, key_set):
+    client, stream = await opened(verifier)
+    request = client.draft_request()
+    foreign = dataclasses.replace(request, proposer_key_id=client.key_id[::-1])
+    await expect_refused(
+        verifier, client, stream, client.sign(foreign, key_set.stranger),
+        C.PERMISSION_DENIED, "unenrolled_key",
+    )  # fmt: skip
+    bad = client.sign(request)
+    bad.signature = bytes([bad.signature[0] ^ 1]) + bad.signature[1:]
+    await expect_refused(verifier, client, stream, bad, C.UNAUTHENTICATED, "bad_signature")
+    await finish_like_uncrashed(verifier, client, stream)
+
+
+async def test_session_opened_by_another_enrolled_key_is_refused(verifier, key_set):
+    client, stream = await opened(verifier)
+    request = dataclasses.replace(client.draft_request(), proposer_key_id="0" * 16)
+    await expect_refused(
+        verifier, client, stream, client.sign(request), C.PERMISSION_DENIED, "unenrolled_key"
+    )
+
+
+async def test_missing_fragment_then_disagreeing_fragment(verifier):
+    client, stream = await opened(verifier)
+    request = client.draft_request()
+    unknown_state = os.urandom(2500)
+    digest = sha256(unknown_state)
+    bad = dataclasses.replace(request, pre_state_digest=digest)
+    err = await expect_refused(
+        verifier, client, stream, client.sign(bad), C.FAILED_PRECONDITION, "missing_fragments"
+    )
+    assert list(err.missing) == [digest]
+    await stream.fragment(digest, unknown_state)  # now held, hash-checked, and wrong
+    err = await expect_refused(
+        verifier, client, stream, client.sign(bad), C.FAILED_PRECONDITION, "fragment_mismatch"
+    )
+    assert "pre-round MT state" in err.message
+    await finish_like_uncrashed(verifier, client, stream)
+
+
+async def test_fragment_hash_mismatch(verifier):
+    client, stream = await opened(verifier)
+    before = verifier.snapshot(client.session_id)
+    await stream.fragment(sha256(b"what was promised"), b"what was sent")
+    msg = await stream.read()
+    assert msg.WhichOneof("kind") == "error"
+    assert (msg.error.code, msg.error.reason) == (C.DATA_LOSS.value[0], "fragment_hash_mismatch")
+    assert sha256(b"what was sent").hex() in msg.error.message
+    assert verifier.snapshot(client.session_id) == before
+    assert len(verifier.manager.fragments) == 0
+    await finish_like_uncrashed(verifier, client, stream)
+
+
+async def test_unknown_session_and_unattached_stream(verifier):
+    client, stream = await opened(verifier, rounds=0)
+    seq = verifier.wal_seq
+    stranger = verifier.client(SAMPLED)  # never opened
+    s = await stranger.attach()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await s.read()
+    assert caught.value.code() == C.NOT_FOUND
+    assert stranger.session_id.hex() in caught.value.details()
+    # a request for another session on an attached stream
+    err = await expect_refused(
+        verifier, client, stream, stranger.sign(stranger.draft_request()),
+        C.INVALID_ARGUMENT, "not_attached",
+    )  # fmt: skip
+    assert err.message
+    # a stream whose first message is not Attach
+    s2 = stranger.stub.Rounds()
+    await s2.write(pb.ProposerMessage(request=client.sign(client.draft_request())))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await s2.read()
+    assert caught.value.code() == C.INVALID_ARGUMENT
+    assert verifier.wal_seq == seq
+
+
+async def test_oversized_message_is_refused_by_grpc(key_set, tmp_path):
+    v = await Verifier(
+        make_config(key_set, tmp_path / "wal", max_message_bytes=4096), key_set,
+        __import__("tests.core.fake_backend", fromlist=["FakeBackend"]).FakeBackend,
+    ).start()  # fmt: skip
+    try:
+        client = v.client(SAMPLED)
+        huge = client.open_pb(fragments={sha256(b"x" * 8192): b"x" * 8192})
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await v.stub.OpenSession(huge)
+        assert caught.value.code() == C.RESOURCE_EXHAUSTED
+        assert v.wal_seq == 0
+        await client.open_session()  # a normal-sized open still works
+        stream = await client.attach()
+        await client.run(stream, rounds=1)
+        request = client.draft_request()
+        big = dataclasses.replace(request, transcript_digests=request.transcript_digests * 200)
+        before = v.snapshot(client.session_id)
+        await stream.send(request=client.sign(big))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stream.read()
+        assert caught.value.code() == C.RESOURCE_EXHAUSTED
+        assert v.snapshot(client.session_id) == before
+    finally:
+        await v.stop()
+
+
+async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(verifier):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from wal.errors import WalIOError
+
+    client, stream = await opened(verifier)
+
+    async def failing_append(payload: bytes) -> int:
+        raise WalIOError("fsync of seg-1.wal failed: [Errno 5] Input/output error")
+
+    verifier.manager.log.append_async = failing_append
+    await expect_refused(
+        verifier, client, stream, client.sign(client.draft_request()), C.INTERNAL, "wal_failure"
+    )
+    health = health_pb2_grpc.HealthStub(verifier.channel)
+    reply = await health.Check(health_pb2.HealthCheckRequest(service="muser.v2.Verifier"))
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,0 +1,182 @@
+"""Whole sessions over a real grpc.aio verifier on loopback: tokens equal the local lane,
+heads chain, retries are byte-identical, capture rows ride as fragments, status reports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from muser import keys
+from muser.canonical import Reader
+from muser.records import RoundResult, SessionOpen, Signed, sha256
+from muser.sampling import SamplingParams
+from muser.wire import convert
+from muser.wire import muser_v2_pb2 as pb
+from proposer_mac.local_lane import run_local
+from tests.core.fake_backend import FakeBackend
+from tests.verifier.conftest import PROMPT, CaptureBackend, Verifier, make_config
+from verifier_gx.journal import VerifierJournal
+
+pytestmark = pytest.mark.asyncio
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=40, seed=11)
+
+
+def local_tokens(params: SamplingParams, draft_len: int, q_top_k: int) -> list[int]:
+    result = run_local(
+        FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params,
+        draft_len=draft_len, q_top_k=q_top_k,
+    )  # fmt: skip
+    return result.tokens
+
+
+def check_chain(open_: SessionOpen, results: list[Signed], public) -> None:
+    """Offline: every result verifies and chains genesis -> head by H(prev ‖ record)."""
+    head = open_.genesis_head()
+    for r, signed in enumerate(results):
+        keys.verify(public, signed.body, signed.signature, f"round {r}")
+        result = RoundResult.decode(signed.body)
+        assert result.round == r
+        assert result.prev_head == head
+        assert result.head == sha256(head + result.record_bytes())
+        head = result.head
+
+
+@pytest.mark.parametrize(
+    ("params", "draft_len", "q_top_k"),
+    [(GREEDY, 3, 5), (SAMPLED, 3, 5), (SAMPLED, 0, 5), (SAMPLED, 6, 24)],
+    ids=["greedy", "sampled", "sampled-empty-draft", "sampled-wide"],
+)
+async def test_session_equals_local_lane_and_heads_chain(verifier, params, draft_len, q_top_k):
+    client = verifier.client(params, draft_len=draft_len, q_top_k=q_top_k)
+    reply = await client.open_session()
+    assert reply.head == reply.genesis_head == client.open.genesis_head()
+    assert reply.next_round == 0
+    stream = await client.attach()
+    await client.run(stream)
+    await stream.close()
+    assert client.out == local_tokens(params, draft_len, q_top_k)
+    assert len(client.out) == params.max_tokens
+    check_chain(client.open, client.results, verifier.key_set.verifier.public_key())
+    state = verifier.manager.replay.sessions[client.session_id]
+    assert state.head == client.head and state.done
+    assert state.next_round == len(client.results)
+    report = VerifierJournal().verify(
+        verifier.manager.log.records(),
+        verifier_keys={verifier.manager.key_id: verifier.key_set.verifier.public_key()},
+        proposer_keys={client.key_id: client.key.public_key()},
+    )
+    assert report.ok, report.first_bad
+    assert report.sessions[0]["head"] == client.head.hex()
+    assert report.sessions[0]["rounds"] == len(client.results)
+
+
+async def test_retry_returns_the_stored_bytes_and_writes_nothing(verifier):
+    client = verifier.client(SAMPLED)
+    await client.open_session()
+    stream = await client.attach()
+    sent = []
+    for _ in range(3):
+        request = client.draft_request()
+        sent.append(client.sign(request))
+        msg, _ = await stream.round_trip(sent[-1])
+        client.accept(request, msg)
+    seq, before = verifier.wal_seq, verifier.snapshot(client.session_id)
+    for r in (2, 2, 0):  # the latest round twice, then the oldest one
+        again, _ = await stream.round_trip(sent[r])
+        assert again.WhichOneof("kind") == "result"
+        assert convert.result_from_pb(again.result).encode() == client.results[r].encode()
+    assert verifier.wal_seq == seq
+    assert verifier.snapshot(client.session_id) == before
+    assert verifier.manager.stats.retries == 3
+    await stream.close()
+
+
+async def test_streams_interleave_sessions_on_the_shared_target(verifier):
+    a, b = verifier.client(SAMPLED), verifier.client(GREEDY, draft_len=2)
+    for c in (a, b):
+        await c.open_session()
+    sa, sb = await a.attach(), await b.attach()
+    while not (a.done and b.done):
+        for c, s in ((a, sa), (b, sb)):
+            if not c.done:
+                await c.step(s)
+    assert a.out == local_tokens(SAMPLED, 3, 5)
+    assert b.out == local_tokens(GREEDY, 2, 5)
+
+
+async def test_duplicated_and_reordered_fragments_are_absorbed(verifier):
+    client = verifier.client(SAMPLED)
+    await client.open_session()
+    stream = await client.attach()
+    await client.run(stream, rounds=3)
+    fragments = list(client.fragments().items())
+    for digest, data in [*reversed(fragments), *fragments, fragments[0]]:
+        await stream.fragment(digest, data)
+    await client.run(stream)  # no error arrives in between: every fragment was absorbed
+    assert client.out == local_tokens(SAMPLED, 3, 5)
+    assert len(verifier.manager.fragments) == len(fragments)  # staged until the ack
+    await stream.send(ack=pb.Ack(session_id=client.session_id, round=2))
+    await stream.fragment(b"\0" * 32, b"")  # answered after the ack: a sync point
+    assert (await stream.read()).error.reason == "fragment_hash_mismatch"
+    assert len(verifier.manager.fragments) == len(fragments)  # staged for round 3
+    await stream.send(ack=pb.Ack(session_id=client.session_id, round=3))
+    await stream.fragment(b"\0" * 32, b"")
+    await stream.read()
+    assert len(verifier.manager.fragments) == 0
+    await stream.close()
+
+
+async def test_capture_rows_arrive_as_fragments_named_by_the_result(key_set, tmp_path):
+    v = await Verifier(make_config(key_set, tmp_path / "wal"), key_set, CaptureBackend).start()
+    try:
+        client = v.client(SAMPLED, capture_layers=(1, 0))
+        await client.open_session()
+        stream = await client.attach()
+        for _ in range(3):
+            request = client.draft_request()
+            position = len(client.transcript) - 1
+            msg, fragments = await stream.round_trip(client.sign(request))
+            result = client.accept(request, msg)
+            assert [f.digest for f in fragments] == list(result.capture_digests)
+            assert len(fragments) == 2
+            for layer, f in enumerate(fragments):
+                assert sha256(f.data) == f.digest
+                r = Reader(f.data, "capture")
+                assert r.raw(16) == client.session_id and r.u64() == result.round
+                assert r.u32() == layer and r.u64() == position
+                rows, width = r.u32(), r.u32()
+                assert (rows, width) == (result.accepted + 1, CaptureBackend.hidden)
+                got = np.frombuffer(r.blob(), dtype="<f4").reshape(rows, width)
+                kept = [request.frontier, *request.drafts[: result.accepted]]
+                expected = [[layer, position + i, t] for i, t in enumerate(kept)]
+                np.testing.assert_array_equal(got, np.array(expected, dtype=np.float32))
+        await stream.close()
+    finally:
+        await v.stop()
+
+
+async def test_status_and_health(verifier):
+    client = verifier.client(GREEDY)
+    await client.open_session()
+    stream = await client.attach()
+    await client.run(stream)
+    await stream.close()
+    status = await verifier.stub.Status(pb.StatusRequest())
+    data = json.loads(status.json)
+    assert status.role == "verifier" and status.key_id == verifier.manager.key_id
+    assert data["sessions"] == status.sessions == 1
+    assert data["emitted"] == GREEDY.max_tokens
+    assert data["rounds"] == len(client.results)
+    assert data["verify_s"] > 0
+    assert data["verifier_ceiling_tok_s"] == pytest.approx(data["emitted"] / data["verify_s"])
+    assert data["wal"]["last_seq"] == verifier.wal_seq and data["wal"]["bytes"] > 0
+    assert data["wal"]["fsync_mean_s"] > 0
+    health = health_pb2_grpc.HealthStub(verifier.channel)
+    for service in ("", "muser.v2.Verifier"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING

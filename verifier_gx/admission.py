@@ -1,0 +1,197 @@
+"""What an open or a round request must satisfy before anything is computed or written.
+
+Pure checks over plain records and the session state; each raises the one domain error the
+servicer maps to a gRPC status, with a message saying what was received and what was
+expected. Nothing here draws from an MT state it keeps or touches the target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cluster_config.schema import Limits
+from muser.backend import ModelIdentity
+from muser.canonical import Writer
+from muser.errors import (
+    CaptureLayerError,
+    ContextOverflowError,
+    DraftOverrunError,
+    DraftZeroProbabilityError,
+    FragmentMismatchError,
+    FrontierMismatchError,
+    InvalidPromptError,
+    InvalidSamplingParamsError,
+    MissingFragmentsError,
+    ModelMismatchError,
+    RowCountError,
+    TokenOutOfVocabularyError,
+)
+from muser.records import (
+    RoundRequest,
+    SessionOpen,
+    sha256,
+    state_digest,
+    tokens_from_bytes,
+    transcript_chunks,
+)
+from muser.sampling import SamplingParams
+from muser.verify import replay_drafts
+from verifier_gx.fragments import FragmentStage
+from verifier_gx.journal import SessionState
+
+
+def check_identities(o: SessionOpen, target: ModelIdentity) -> None:
+    """Target identity must be the loaded target's; the draft must share its tokenizer."""
+    pairs = [
+        ("target model digest", o.target.model_digest, target.model_digest),
+        ("target tokenizer digest", o.target.tokenizer_digest, target.tokenizer_digest),
+        ("target vocab size", o.target.vocab_size, target.vocab_size),
+        ("draft tokenizer digest", o.draft.tokenizer_digest, target.tokenizer_digest),
+        ("draft vocab size", o.draft.vocab_size, target.vocab_size),
+    ]
+    for what, got, expected in pairs:
+        if got != expected:
+            raise ModelMismatchError(
+                f"{what} {got!r} in the request differs from the verifier's loaded target: "
+                f"{expected!r}"
+            )
+
+
+def check_params(o: SessionOpen, limits: Limits, vocab: int, num_layers: int | None) -> None:
+    if o.params.max_tokens > limits.max_tokens:
+        raise InvalidSamplingParamsError(
+            f"max_tokens {o.params.max_tokens} exceeds limits.max_tokens {limits.max_tokens}"
+        )
+    for token in o.params.stop_tokens:
+        if not 0 <= token < vocab:
+            raise TokenOutOfVocabularyError(
+                f"stop token {token} outside the vocabulary [0, {vocab})"
+            )
+    for layer in o.capture_layers:
+        if num_layers is not None and not 0 <= layer < num_layers:
+            raise CaptureLayerError(
+                f"capture layer {layer} outside [0, {num_layers}) decoder layers"
+            )
+
+
+def read_prompt(
+    o: SessionOpen, fragments: dict[bytes, bytes], stage: FragmentStage, vocab: int
+) -> list[int]:
+    """The prompt from the open's fragments (every one hash-checked) or the stage."""
+    for digest, data in fragments.items():
+        FragmentStage.check(digest, data)
+    data = fragments.get(o.prompt_digest)
+    if data is None:
+        data = stage.get(o.prompt_digest)
+    if data is None:
+        raise MissingFragmentsError(
+            f"the prompt fragment {o.prompt_digest.hex()} is neither in the request nor held",
+            [o.prompt_digest],
+        )
+    if not data or len(data) % 4:
+        raise InvalidPromptError(
+            f"prompt fragment of {len(data)} bytes; expected a non-empty whole number of u32 "
+            f"token ids"
+        )
+    prompt = tokens_from_bytes(data)
+    bad = [t for t in prompt if t >= vocab]
+    if bad:
+        raise TokenOutOfVocabularyError(
+            f"prompt token {bad[0]} outside the vocabulary [0, {vocab})"
+        )
+    return prompt
+
+
+def check_room(prompt_len: int, params: SamplingParams, context_length: int) -> None:
+    """The longest KV a session can need (prompt + max_tokens - 1: the last round never
+    drafts past max_tokens) must fit the target's context window."""
+    need = prompt_len + params.max_tokens - 1
+    if need > context_length:
+        raise ContextOverflowError(
+            f"a prompt of {prompt_len} tokens with max_tokens {params.max_tokens} needs "
+            f"{need} positions; the target's context window is {context_length}"
+        )
+
+
+def check_closure(state: SessionState, request: RoundRequest, stage: FragmentStage) -> None:
+    """Every fragment the request names is derived from the session or held and consistent."""
+    chunks = [sha256(c) for c in transcript_chunks(state.transcript)]
+    mt_digest = state_digest(state.mt)
+    named = [("pre-round MT state", request.pre_state_digest, mt_digest)]
+    named += [
+        (f"transcript chunk {i}", d, chunks[i] if i < len(chunks) else None)
+        for i, d in enumerate(request.transcript_digests)
+    ]
+    derived = {mt_digest, *chunks}
+    missing = []
+    for what, digest, expected in named:
+        if digest == expected:
+            continue
+        if digest not in derived:  # held content the session derives is never re-requested
+            data = stage.get(digest)
+            if data is None:
+                missing.append(digest)
+                continue
+            FragmentStage.check(digest, data)
+        held = expected.hex() if expected is not None else "none (past the transcript's end)"
+        raise FragmentMismatchError(
+            f"{what}: fragment {digest.hex()} disagrees with the committed session, whose "
+            f"{what} digest is {held}"
+        )
+    if missing:
+        raise MissingFragmentsError(
+            f"{len(missing)} fragment(s) named by round {request.round} are not held: "
+            + ", ".join(d.hex() for d in missing),
+            missing,
+        )
+    if len(request.transcript_digests) != len(chunks):
+        raise FragmentMismatchError(
+            f"the request names {len(request.transcript_digests)} transcript chunks; the "
+            f"committed transcript of {len(state.transcript)} tokens has {len(chunks)}"
+        )
+    if request.frontier != state.transcript[-1]:
+        raise FrontierMismatchError(
+            f"frontier {request.frontier} received; the committed transcript ends with "
+            f"{state.transcript[-1]}"
+        )
+
+
+def check_drafts(state: SessionState, request: RoundRequest, vocab: int) -> None:
+    """Every geometry and value check, then the drafting replay (DESIGN.md §4 step 1)."""
+    depth = len(request.drafts)
+    if len(request.q_rows) != depth:
+        raise RowCountError(f"{depth} drafts need {depth} draft rows, got {len(request.q_rows)}")
+    room = max(0, state.remaining - 1)
+    if depth > room:
+        raise DraftOverrunError(
+            f"{depth} drafts received; the session may emit {state.remaining} more tokens, so "
+            f"at most {room} drafts"
+        )
+    for i, token in enumerate(request.drafts):
+        if not 0 <= token < vocab:
+            raise TokenOutOfVocabularyError(
+                f"draft {i} token {token} outside the vocabulary [0, {vocab})"
+            )
+    for i, (token, row) in enumerate(zip(request.drafts, request.q_rows, strict=True)):
+        row.validate(vocab, f"draft row {i}")
+        if row.probability(token) <= 0.0:
+            raise DraftZeroProbabilityError(
+                f"draft {i} token {token} has draft probability q = 0 in its row"
+            )
+    replay_drafts(state.mt, request.drafts, request.q_rows, state.params.greedy)
+
+
+def capture_fragment(
+    state: SessionState, request: RoundRequest, layer: int, rows: np.ndarray
+) -> tuple[bytes, bytes]:
+    """Hidden rows of one layer for the positions a round kept (frontier + accepted drafts):
+
+    "capture": session 16 | round u64 | layer u32 | first position u64 | rows u32 |
+               width u32 | blob of float32 little-endian values, row-major
+    """
+    rows = np.ascontiguousarray(rows, dtype="<f4")
+    width = rows.shape[1] if rows.ndim == 2 else 0
+    w = Writer("capture").raw(state.session_id, 16).u64(request.round).u32(layer)
+    w.u64(len(state.transcript) - 1).u32(rows.shape[0]).u32(width).blob(rows.tobytes())
+    data = w.bytes()
+    return sha256(data), data

@@ -1,0 +1,185 @@
+"""The verifier daemon: build the gRPC server from the cluster file, run it until a signal.
+
+    server, port = create_server(config)        # recovers the commit log first
+    await server.start()                        # health: SERVING
+    ...
+    await server.stop(grace)                    # stops RPCs, then closes the commit log
+
+Layout under `verifier.wal_dir`: `commit/` is the commit log (wal.log.FileLog, one writer,
+flock'd). Fragments are staged in memory (verifier_gx.fragments) and re-requested after a
+restart with `missing_fragments`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster_config.schema import ClusterConfig, ConfigError
+from muser import keys
+from muser.backend import ModelBackend
+from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from verifier_gx.servicer import VerifierServicer
+from verifier_gx.sessions import SessionManager
+from wal.log import FileLog
+
+log = logging.getLogger("muser.verifier")
+SERVICE = "muser.v2.Verifier"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class VerifierServer(grpc.aio.Server):
+    """A grpc.aio server that owns the session manager and the commit log it writes."""
+
+    def __init__(self, inner: grpc.aio.Server, manager: SessionManager, health_servicer) -> None:
+        self._inner = inner
+        self.manager = manager
+        self.health = health_servicer
+        self._fatal: asyncio.Task | None = None
+
+    @property
+    def key_id(self) -> str:
+        return self.manager.key_id
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers) -> None:
+        self._inner.add_generic_rpc_handlers(generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        self._inner.add_registered_method_handlers(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._inner.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials) -> int:
+        return self._inner.add_secure_port(address, server_credentials)
+
+    async def start(self) -> None:
+        await self._inner.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, SERVING)
+
+    async def stop(self, grace: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self._inner.stop(grace)
+        self.manager.log.close()
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self._inner.wait_for_termination(timeout)
+
+    def not_serving(self, exc: BaseException) -> None:
+        """The commit log failed: report NOT_SERVING (it refuses appends until reopened)."""
+        log.error("commit log failed, reporting NOT_SERVING: %s", exc)
+        self._fatal = asyncio.ensure_future(self._set_not_serving())
+
+    async def _set_not_serving(self) -> None:
+        for name in ("", SERVICE):
+            await self.health.set(name, NOT_SERVING)
+
+
+def load_keys(config: ClusterConfig):
+    """The verifier's signing key (checked against its public key file) and the enrolled
+    proposer keys by key id."""
+    private = keys.load_private(config.verifier.key)
+    public = keys.load_public(config.verifier.public_key)
+    raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    if private.public_key().public_bytes(*raw) != public.public_bytes(*raw):
+        raise ConfigError(
+            f"verifier.public_key {config.verifier.public_key} (key {keys.key_id(public)}) is "
+            f"not the public half of verifier.key {config.verifier.key} "
+            f"(key {keys.key_id(private.public_key())})"
+        )
+    proposers = {}
+    for path in config.enrolment.proposers:
+        key = keys.load_public(path)
+        proposers[keys.key_id(key)] = key
+    return private, proposers
+
+
+def create_server(
+    config: ClusterConfig,
+    *,
+    backend: ModelBackend | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[grpc.aio.Server, int]:
+    """Recover the commit log and build the (not yet started) server bound to
+    verifier.bind_address (default: verifier.address); returns it and the bound port.
+    Call from inside the event loop that will run it."""
+    private, proposers = load_keys(config)
+    if backend is None:
+        from verifier_gx.backends import load_target_backend
+
+        backend = load_target_backend(
+            config.verifier.backend,
+            config.verifier.target,
+            device=config.verifier.device,
+            dtype=config.verifier.dtype,
+        )
+    commit_log = FileLog(Path(config.verifier.wal_dir) / "commit")
+    try:
+        manager = SessionManager(
+            log=commit_log,
+            backend=backend,
+            signing_key=private,
+            proposer_keys=proposers,
+            limits=config.limits,
+            clock=clock,
+        )
+        size = config.limits.max_message_bytes
+        inner = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", size),
+                ("grpc.max_receive_message_length", size),
+                ("grpc.so_reuseport", 0),  # a second daemon on a taken port fails to bind
+            ]
+        )
+        health_servicer = health.aio.HealthServicer()  # unreachable until start()
+        server = VerifierServer(inner, manager, health_servicer)
+        servicer = VerifierServicer(manager, on_fatal=server.not_serving)
+        pb_grpc.add_VerifierServicer_to_server(servicer, inner)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inner)
+        try:
+            port = inner.add_insecure_port(config.verifier.bind_address)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"cannot bind verifier.bind_address {config.verifier.bind_address!r}: {exc}"
+            ) from exc
+    except BaseException:
+        commit_log.close()
+        raise
+    if commit_log.last_seq:
+        log.info(
+            "recovered %d sessions (%d closed) from %d commit records",
+            len(manager.replay.sessions),
+            len(manager.replay.closed),
+            commit_log.last_seq,
+        )
+    return server, port
+
+
+async def _serve(config: ClusterConfig) -> None:
+    server, port = create_server(config)
+    await server.start()
+    host = config.verifier.bind_address.rpartition(":")[0]
+    print(f"verifier listening on {host}:{port} key={server.key_id}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received; stopping")
+    await server.stop(5.0)
+
+
+def serve(config: ClusterConfig) -> None:
+    """Run the verifier until SIGTERM/SIGINT, then stop RPCs and close the commit log."""
+    asyncio.run(_serve(config))

@@ -1,0 +1,420 @@
+"""The verifier's commit-log entries, the session state they replay to, and their interpreter.
+
+Entries are canonical (muser.canonical, domain "verifier-journal"), a u32 tag first:
+
+    OPEN   1  SessionOpen bytes, epoch u64, prompt token ids u32s, proposer signature blob
+    ROUND  2  request digest (32 bytes), Signed(RoundResult) bytes — exactly what was sent,
+              so a retry gets the same bytes back
+    EPOCH  3  session id (16 bytes), new epoch u64 — a higher epoch fenced the old one
+    CLOSE  4  session id (16 bytes)
+
+`Replay` applies entries in order and checks every ROUND against the state the entries
+before it imply: round index, epoch, prev_head → head (head = H(prev_head ‖ round record),
+starting at the genesis head of OPEN), the post-round MT19937 state digest (pre-round state
+advanced by `draws_for_round`) and the transcript digest. Daemon recovery and
+`muser wal verify` run this same code, so what one accepts the other accepts.
+
+The proposer signs `SessionOpen.encode()` to open and `close_message(session, epoch)` to
+close. (The open signature does not cover the epoch: a replayed signed open can fence a
+session at a higher epoch but cannot forge a round.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from muser import keys
+from muser.canonical import CanonicalError, Reader, Writer
+from muser.errors import JournalError
+from muser.mt19937 import Mt19937
+from muser.records import (
+    RoundResult,
+    SessionOpen,
+    Signed,
+    advance,
+    draws_for_round,
+    sha256,
+    state_digest,
+    tokens_bytes,
+    transcript_digest,
+)
+from muser.round import clip_emission
+from muser.sampling import SamplingParams
+
+DOMAIN = "verifier-journal"
+OPEN, ROUND, EPOCH, CLOSE = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class OpenEntry:
+    open: SessionOpen
+    epoch: int
+    prompt: tuple[int, ...]
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class RoundEntry:
+    request_digest: bytes
+    signed: bytes
+    """Signed(RoundResult).encode(): the bytes a retry returns unchanged."""
+
+    def decode(self) -> tuple[Signed, RoundResult]:
+        signed = Signed.decode(self.signed)
+        return signed, RoundResult.decode(signed.body)
+
+
+@dataclass(frozen=True)
+class EpochEntry:
+    session_id: bytes
+    epoch: int
+
+
+@dataclass(frozen=True)
+class CloseEntry:
+    session_id: bytes
+
+
+Entry = OpenEntry | RoundEntry | EpochEntry | CloseEntry
+
+
+def encode(entry: Entry) -> bytes:
+    w = Writer(DOMAIN)
+    if isinstance(entry, OpenEntry):
+        w.u32(OPEN).blob(entry.open.encode()).u64(entry.epoch).u32s(entry.prompt)
+        w.blob(entry.signature)
+    elif isinstance(entry, RoundEntry):
+        w.u32(ROUND).raw(entry.request_digest, 32).blob(entry.signed)
+    elif isinstance(entry, EpochEntry):
+        w.u32(EPOCH).raw(entry.session_id, 16).u64(entry.epoch)
+    elif isinstance(entry, CloseEntry):
+        w.u32(CLOSE).raw(entry.session_id, 16)
+    else:
+        raise TypeError(f"not a verifier journal entry: {type(entry).__name__}")
+    return w.bytes()
+
+
+def decode(payload: bytes) -> Entry:
+    """Raises CanonicalError on bytes that are not exactly one entry."""
+    r = Reader(payload, DOMAIN)
+    tag = r.u32()
+    if tag == OPEN:
+        entry: Entry = OpenEntry(SessionOpen.decode(r.blob()), r.u64(), tuple(r.u32s()), r.blob())
+    elif tag == ROUND:
+        entry = RoundEntry(r.raw(32), r.blob())
+    elif tag == EPOCH:
+        entry = EpochEntry(r.raw(16), r.u64())
+    elif tag == CLOSE:
+        entry = CloseEntry(r.raw(16))
+    else:
+        raise CanonicalError(f"unknown verifier journal entry tag {tag} (expected 1..4)")
+    r.end()
+    return entry
+
+
+def close_message(session_id: bytes, epoch: int) -> bytes:
+    """What a proposer signs to close a session."""
+    return Writer("session-close").raw(session_id, 16).u64(epoch).bytes()
+
+
+def short(session_id: bytes) -> str:
+    return session_id.hex()[:8]
+
+
+# --- session state ---------------------------------------------------------------------------
+
+
+@dataclass
+class SessionState:
+    """One session as the committed entries define it. `mt` is the pre-round MT19937 state."""
+
+    open: SessionOpen
+    epoch: int
+    prompt: list[int]
+    open_signature: bytes
+    transcript: list[int]
+    """Prompt + every token rounds emitted (unclipped; the proposer digests the same)."""
+    head: bytes
+    mt: Mt19937
+    next_round: int = 0
+    produced: int = 0
+    """Tokens handed to clients: emissions clipped at stop tokens and max_tokens."""
+    done: bool = False
+    committed: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    """round -> (request digest, Signed(RoundResult) bytes)."""
+
+    @classmethod
+    def fresh(cls, entry: OpenEntry) -> SessionState:
+        return cls(
+            entry.open,
+            entry.epoch,
+            list(entry.prompt),
+            entry.signature,
+            list(entry.prompt),
+            entry.open.genesis_head(),
+            Mt19937.from_seed(entry.open.params.seed),
+        )
+
+    @property
+    def session_id(self) -> bytes:
+        return self.open.session_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.open.params
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - self.produced
+
+    def check_round(self, result: RoundResult, request_digest: bytes) -> Mt19937:
+        """Every field of `result` against this state; returns the post-round MT state."""
+        where = f"session {short(self.session_id)} round {result.round}"
+        fields = [
+            ("session", result.session_id.hex(), self.session_id.hex()),
+            ("round", result.round, self.next_round),
+            ("epoch", result.epoch, self.epoch),
+            ("prev_head", result.prev_head.hex(), self.head.hex()),
+            ("request_digest", result.request_digest.hex(), request_digest.hex()),
+            ("frontier", result.frontier, self.transcript[-1]),
+        ]
+        for name, got, expected in fields:
+            if got != expected:
+                raise JournalError(f"{where}: {name} is {got!r}, expected {expected!r}")
+        if self.done:
+            raise JournalError(f"{where}: the session already finished at round {self.next_round}")
+        depth = len(result.drafts)
+        if not 0 <= result.accepted <= depth:
+            raise JournalError(f"{where}: accepted {result.accepted} of {depth} drafts")
+        post = advance(self.mt, draws_for_round(depth, result.accepted, self.params.greedy))
+        if state_digest(post) != result.post_state_digest:
+            raise JournalError(
+                f"{where}: post-round MT state digest {result.post_state_digest.hex()} is not "
+                f"the pre-round state advanced by the round's draws ({state_digest(post).hex()})"
+            )
+        expected_transcript = transcript_digest(self.transcript + result.emitted())
+        if result.transcript_digest != expected_transcript:
+            raise JournalError(
+                f"{where}: transcript digest {result.transcript_digest.hex()}, expected "
+                f"{expected_transcript.hex()}"
+            )
+        if result.head != result.expected_head():
+            raise JournalError(
+                f"{where}: head {result.head.hex()} is not H(prev_head ‖ round record) "
+                f"= {result.expected_head().hex()}"
+            )
+        return post
+
+    def apply_round(
+        self, result: RoundResult, request_digest: bytes, signed: bytes, post: Mt19937
+    ) -> list[int]:
+        """Move past a checked, durable round; returns the tokens it hands to clients."""
+        emitted = result.emitted()
+        emission = clip_emission(
+            emitted, self.produced, self.params.max_tokens, self.params.stop_tokens
+        )
+        self.mt = post
+        self.transcript += emitted
+        self.produced += len(emission.tokens)
+        self.done = emission.done
+        self.head = result.head
+        self.committed[result.round] = (request_digest, signed)
+        self.next_round += 1
+        return emission.tokens
+
+    def summary(self) -> dict:
+        return {
+            "session": self.session_id.hex(),
+            "epoch": self.epoch,
+            "rounds": self.next_round,
+            "emitted": self.produced,
+            "done": self.done,
+            "genesis_head": self.open.genesis_head().hex(),
+            "head": self.head.hex(),
+        }
+
+
+class Replay:
+    """Applies entries in order; raises JournalError at the first one that does not fit.
+
+    With `verifier_keys`, every ROUND signature must verify under the key it names; with
+    `proposer_keys`, every OPEN signature too.
+    """
+
+    def __init__(
+        self,
+        verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
+        proposer_keys: Mapping[str, Ed25519PublicKey] | None = None,
+    ) -> None:
+        self.sessions: dict[bytes, SessionState] = {}
+        self.closed: dict[bytes, SessionState] = {}
+        self.verifier_keys = verifier_keys
+        self.proposer_keys = proposer_keys
+
+    def session(self, session_id: bytes, what: str) -> SessionState:
+        state = self.sessions.get(session_id)
+        if state is None:
+            closed = "closed" if session_id in self.closed else "never opened"
+            raise JournalError(f"{what} for session {session_id.hex()}, which is {closed}")
+        return state
+
+    def apply(self, entry: Entry) -> SessionState:
+        if isinstance(entry, OpenEntry):
+            return self._open(entry)
+        if isinstance(entry, RoundEntry):
+            signed, result = entry.decode()
+            state = self.session(result.session_id, f"ROUND {result.round}")
+            if self.verifier_keys is not None:
+                _check_signature(self.verifier_keys, result.verifier_key_id, signed, "result")
+            post = state.check_round(result, entry.request_digest)
+            state.apply_round(result, entry.request_digest, entry.signed, post)
+            return state
+        if isinstance(entry, EpochEntry):
+            state = self.session(entry.session_id, "EPOCH")
+            if entry.epoch <= state.epoch:
+                raise JournalError(
+                    f"EPOCH {entry.epoch} for session {short(entry.session_id)} does not raise "
+                    f"its epoch {state.epoch}"
+                )
+            state.epoch = entry.epoch
+            return state
+        state = self.session(entry.session_id, "CLOSE")
+        self.closed[entry.session_id] = self.sessions.pop(entry.session_id)
+        return state
+
+    def _open(self, entry: OpenEntry) -> SessionState:
+        sid = entry.open.session_id
+        if sid in self.sessions or sid in self.closed:
+            raise JournalError(f"OPEN of session {sid.hex()}, which was opened before")
+        if sha256(tokens_bytes(entry.prompt)) != entry.open.prompt_digest:
+            raise JournalError(f"OPEN of session {sid.hex()}: prompt does not hash to its digest")
+        if not entry.prompt:
+            raise JournalError(f"OPEN of session {sid.hex()}: empty prompt")
+        if self.proposer_keys is not None:
+            signed = Signed(entry.open.encode(), entry.signature)
+            _check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "open")
+        state = SessionState.fresh(entry)
+        self.sessions[sid] = state
+        return state
+
+
+def _check_signature(
+    known: Mapping[str, Ed25519PublicKey], key_id: str, signed: Signed, what: str
+) -> None:
+    public = known.get(key_id)
+    if public is None:
+        raise JournalError(f"{what} signed by key {key_id!r}, not one of {sorted(known)}")
+    try:
+        keys.verify(public, signed.body, signed.signature, what)
+    except keys.SignatureError as exc:
+        raise JournalError(str(exc)) from exc
+
+
+# --- the interpreter for `muser wal inspect / verify` -----------------------------------------
+
+
+def describe(payload: bytes) -> dict:
+    """A JSON-able description of one entry."""
+    entry = decode(payload)
+    if isinstance(entry, OpenEntry):
+        return {
+            "entry": "open",
+            "session": entry.open.session_id.hex(),
+            "epoch": entry.epoch,
+            "prompt_tokens": len(entry.prompt),
+            "proposer_key_id": entry.open.proposer_key_id,
+            "genesis_head": entry.open.genesis_head().hex(),
+        }
+    if isinstance(entry, RoundEntry):
+        _, result = entry.decode()
+        return {
+            "entry": "round",
+            "session": result.session_id.hex(),
+            "round": result.round,
+            "epoch": result.epoch,
+            "drafts": len(result.drafts),
+            "accepted": result.accepted,
+            "next_frontier": result.next_frontier,
+            "prev_head": result.prev_head.hex(),
+            "head": result.head.hex(),
+            "verifier_key_id": result.verifier_key_id,
+        }
+    if isinstance(entry, EpochEntry):
+        return {"entry": "epoch", "session": entry.session_id.hex(), "epoch": entry.epoch}
+    return {"entry": "close", "session": entry.session_id.hex()}
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    seq: int
+    reason: str
+
+
+@dataclass
+class JournalReport:
+    records: int
+    sessions: list[dict]
+    first_bad: BadRecord | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_bad is None
+
+
+class VerifierJournal:
+    """Interprets a verifier commit log: shows sessions and heads, checks every round's hash
+    chain and, given public keys, every signature."""
+
+    name = "verifier"
+    domain = DOMAIN
+
+    def matches(self, payload: bytes) -> bool:
+        try:
+            Reader(payload, DOMAIN)
+        except CanonicalError:
+            return False
+        return True
+
+    def describe(self, payload: bytes) -> dict:
+        return describe(payload)
+
+    def verify(
+        self,
+        records: Iterable[tuple[int, bytes]],
+        *,
+        verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
+        proposer_keys: Mapping[str, Ed25519PublicKey] | None = None,
+    ) -> JournalReport:
+        """Replay (seq, payload) records; stop at the first that does not fit."""
+        replay = Replay(verifier_keys, proposer_keys)
+        count, bad = 0, None
+        for seq, payload in records:
+            count += 1
+            try:
+                replay.apply(decode(payload))
+            except (CanonicalError, JournalError) as exc:
+                bad = BadRecord(seq, str(exc))
+                break
+        states = [*replay.sessions.values(), *replay.closed.values()]
+        sessions = [
+            dict(s.summary(), closed=s.session_id in replay.closed)
+            for s in sorted(states, key=lambda s: s.session_id)
+        ]
+        return JournalReport(count, sessions, bad)
+
+
+def register() -> bool:
+    """Offer `VerifierJournal` to the wal tools (`muser wal inspect / verify`).
+
+    The wal package's interpreter hook (`wal.interpret.register`) does not exist yet; until
+    it does this returns False and the tools show verifier entries as opaque payloads.
+    """
+    try:
+        from wal import interpret
+    except ImportError:
+        return False
+    interpret.register(VerifierJournal())
+    return True

@@ -1,0 +1,300 @@
+"""The gRPC edge of the verifier: `muser.v2.Verifier` over grpc.aio.
+
+Wire types stay here: requests are converted to plain records (muser.wire.convert), the
+session manager does the work, and each domain error maps to exactly one status code and
+machine-readable reason (`STATUS`). Unary RPCs abort with that status (reason and missing
+digests ride in trailing metadata `muser-reason` / `muser-missing`); on the Rounds stream
+a refused request is answered in band with a RoundError and the stream stays open.
+
+Rounds: the first message must be Attach{session_id, epoch}. Then
+  RoundRequest -> capture Fragments (if any), then one RoundResult; or one RoundError
+  Fragment     -> staged (duplicates and reordering absorbed); a hash mismatch -> RoundError
+  Ack          -> releases the fragments staged for rounds <= that round
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from muser.canonical import CanonicalError
+from muser.errors import (
+    CaptureLayerError,
+    ContextOverflowError,
+    DraftMismatchError,
+    DraftOverrunError,
+    DraftZeroProbabilityError,
+    EquivocationError,
+    FragmentHashMismatchError,
+    FragmentMismatchError,
+    FrontierMismatchError,
+    FutureEpochError,
+    GenesisMismatchError,
+    HeadMismatchError,
+    InvalidPromptError,
+    InvalidSamplingParamsError,
+    InvalidWeightsError,
+    JournalError,
+    MissingFragmentsError,
+    ModelMismatchError,
+    MuserError,
+    NotAttachedError,
+    RefusedError,
+    RoundOutOfOrderError,
+    RowCountError,
+    RowWidthError,
+    SessionClosedError,
+    SessionConflictError,
+    SessionFinishedError,
+    SessionLimitError,
+    StaleEpochError,
+    TokenOutOfVocabularyError,
+    UnenrolledKeyError,
+    UnknownSessionError,
+)
+from muser.keys import SignatureError
+from muser.records import Signed
+from muser.wire import convert
+from muser.wire import muser_v2_pb2 as pb
+from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from verifier_gx.fragments import FragmentStage
+from verifier_gx.journal import short
+from verifier_gx.sessions import OpenRequest, SessionManager
+from wal.errors import WalError
+
+log = logging.getLogger("muser.verifier")
+C = grpc.StatusCode
+
+STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
+    UnknownSessionError: (C.NOT_FOUND, "unknown_session"),
+    SessionClosedError: (C.FAILED_PRECONDITION, "session_closed"),
+    SessionConflictError: (C.ALREADY_EXISTS, "session_conflict"),
+    SessionLimitError: (C.RESOURCE_EXHAUSTED, "max_sessions"),
+    SessionFinishedError: (C.FAILED_PRECONDITION, "session_finished"),
+    UnenrolledKeyError: (C.PERMISSION_DENIED, "unenrolled_key"),
+    SignatureError: (C.UNAUTHENTICATED, "bad_signature"),
+    StaleEpochError: (C.ABORTED, "stale_epoch"),
+    FutureEpochError: (C.FAILED_PRECONDITION, "future_epoch"),
+    EquivocationError: (C.ALREADY_EXISTS, "equivocation"),
+    RoundOutOfOrderError: (C.FAILED_PRECONDITION, "round_out_of_order"),
+    HeadMismatchError: (C.ABORTED, "head_mismatch"),
+    GenesisMismatchError: (C.INVALID_ARGUMENT, "genesis_mismatch"),
+    FrontierMismatchError: (C.FAILED_PRECONDITION, "frontier_mismatch"),
+    MissingFragmentsError: (C.FAILED_PRECONDITION, "missing_fragments"),
+    FragmentHashMismatchError: (C.DATA_LOSS, "fragment_hash_mismatch"),
+    FragmentMismatchError: (C.FAILED_PRECONDITION, "fragment_mismatch"),
+    RowCountError: (C.INVALID_ARGUMENT, "row_count"),
+    RowWidthError: (C.INTERNAL, "row_width"),  # witness rows come from our own backend
+    TokenOutOfVocabularyError: (C.INVALID_ARGUMENT, "token_out_of_vocabulary"),
+    InvalidWeightsError: (C.INVALID_ARGUMENT, "invalid_weights"),
+    DraftZeroProbabilityError: (C.INVALID_ARGUMENT, "draft_zero_probability"),
+    DraftOverrunError: (C.INVALID_ARGUMENT, "too_many_drafts"),
+    DraftMismatchError: (C.FAILED_PRECONDITION, "draft_mismatch"),
+    InvalidSamplingParamsError: (C.INVALID_ARGUMENT, "invalid_params"),
+    InvalidPromptError: (C.INVALID_ARGUMENT, "invalid_prompt"),
+    CaptureLayerError: (C.INVALID_ARGUMENT, "capture_layer"),
+    ModelMismatchError: (C.FAILED_PRECONDITION, "identity_mismatch"),
+    ContextOverflowError: (C.OUT_OF_RANGE, "context_overflow"),
+    CanonicalError: (C.INVALID_ARGUMENT, "malformed"),
+    NotAttachedError: (C.INVALID_ARGUMENT, "not_attached"),
+    JournalError: (C.INTERNAL, "journal"),
+    WalError: (C.INTERNAL, "wal_failure"),
+    RefusedError: (C.INVALID_ARGUMENT, "refused"),
+    MuserError: (C.INTERNAL, "internal"),
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and reason of the most specific class in the table."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return C.UNKNOWN, "unexpected"
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(
+        self, manager: SessionManager, *, on_fatal: Callable[[BaseException], None] | None = None
+    ) -> None:
+        self.manager = manager
+        self.on_fatal = on_fatal
+
+    def _refused(self, exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
+        code, reason = status_for(exc)
+        refusals = self.manager.stats.refusals
+        refusals[reason] = refusals.get(reason, 0) + 1
+        log.warning("%s refused: %s %s: %s", where, code.name, reason, exc)
+        if isinstance(exc, WalError) and self.on_fatal is not None:
+            self.on_fatal(exc)
+        return code, reason
+
+    async def _abort(self, context, exc: BaseException, where: str) -> None:
+        code, reason = self._refused(exc, where)
+        metadata = [("muser-reason", reason)]
+        if isinstance(exc, MissingFragmentsError):
+            metadata.append(("muser-missing", ",".join(d.hex() for d in exc.missing)))
+        await context.abort(code, f"{reason}: {exc}", trailing_metadata=tuple(metadata))
+
+    # ---- unary ----------------------------------------------------------------------------
+
+    async def OpenSession(self, request: pb.OpenSessionRequest, context) -> pb.OpenSessionResponse:
+        try:
+            for f in request.fragments:
+                FragmentStage.check(f.digest, f.data)
+            req = OpenRequest(
+                convert.open_from_pb(request),
+                request.epoch,
+                request.genesis_head,
+                request.signature,
+                {f.digest: f.data for f in request.fragments},
+            )
+            reply = await self.manager.open_session(req)
+        except MuserError as exc:
+            await self._abort(context, exc, f"open {request.session_id.hex()[:8]}")
+        return pb.OpenSessionResponse(
+            session_id=reply.session_id,
+            genesis_head=reply.genesis_head,
+            head=reply.head,
+            next_round=reply.next_round,
+            epoch=reply.epoch,
+            verifier_key_id=reply.verifier_key_id,
+        )
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context
+    ) -> pb.CloseSessionResponse:
+        try:
+            await self.manager.close_session(request.session_id, request.epoch, request.signature)
+        except MuserError as exc:
+            await self._abort(context, exc, f"close {request.session_id.hex()[:8]}")
+        return pb.CloseSessionResponse()
+
+    async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        data = status_json(self.manager)
+        return pb.StatusResponse(
+            role="verifier",
+            key_id=self.manager.key_id,
+            sessions=data["sessions"],
+            json=json.dumps(data, sort_keys=True),
+        )
+
+    # ---- the round stream -----------------------------------------------------------------
+
+    async def Rounds(self, request_iterator, context) -> AsyncIterator[pb.VerifierMessage]:
+        session_id: bytes | None = None
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("kind")
+            if session_id is None:
+                try:
+                    if kind != "attach":
+                        raise NotAttachedError(
+                            f"the first message of a Rounds stream must be Attach, got {kind}"
+                        )
+                    self.manager.attach(msg.attach.session_id, msg.attach.epoch)
+                except MuserError as exc:
+                    await self._abort(context, exc, f"attach {msg.attach.session_id.hex()[:8]}")
+                session_id = msg.attach.session_id
+                continue
+            if kind == "request":
+                for out in await self._round(session_id, msg.request):
+                    yield out
+            elif kind == "fragment":
+                error = self._fragment(session_id, msg.fragment)
+                if error is not None:
+                    yield error
+            elif kind == "ack":
+                if msg.ack.session_id == session_id:
+                    self.manager.ack(session_id, msg.ack.round)
+                else:
+                    exc = NotAttachedError(
+                        f"ack for session {msg.ack.session_id.hex()}; this stream is attached "
+                        f"to {session_id.hex()}"
+                    )
+                    yield self._error(msg.ack.round, exc, "ack")
+            else:
+                exc = NotAttachedError(f"{kind} after Attach; this stream is already attached")
+                yield self._error(0, exc, f"session {short(session_id)}")
+
+    def _error(self, round_: int, exc: BaseException, where: str) -> pb.VerifierMessage:
+        code, reason = self._refused(exc, where)
+        missing = exc.missing if isinstance(exc, MissingFragmentsError) else []
+        return pb.VerifierMessage(
+            error=pb.RoundError(
+                round=round_, code=code.value[0], reason=reason, message=str(exc), missing=missing
+            )
+        )
+
+    async def _round(self, session_id: bytes, request: pb.RoundRequest) -> list:
+        where = f"session {request.session_id.hex()[:8]} round {request.round}"
+        try:
+            if request.session_id != session_id:
+                raise NotAttachedError(
+                    f"request for session {request.session_id.hex()}; this stream is attached "
+                    f"to {session_id.hex()}"
+                )
+            outcome = await self.manager.run_round(convert.request_from_pb(request))
+        except MuserError as exc:
+            return [self._error(request.round, exc, where)]
+        out = [
+            pb.VerifierMessage(fragment=pb.Fragment(digest=d, data=data))
+            for d, data in outcome.captures
+        ]
+        result = convert.result_to_pb(Signed.decode(outcome.signed), outcome.timings)
+        out.append(pb.VerifierMessage(result=result))
+        if outcome.retry:
+            log.info("%s: retry answered with the committed result", where)
+        return out
+
+    def _fragment(self, session_id: bytes, fragment: pb.Fragment) -> pb.VerifierMessage | None:
+        try:
+            self.manager.put_fragment(session_id, fragment.digest, fragment.data)
+        except MuserError as exc:
+            state = self.manager.replay.sessions.get(session_id)
+            round_ = state.next_round if state is not None else 0
+            return self._error(round_, exc, f"session {short(session_id)} fragment")
+        return None
+
+
+def status_json(manager: SessionManager) -> dict:
+    """The verifier's status: sessions, throughput, the verifier-only ceiling, the WAL."""
+    s = manager.stats
+    states = list(manager.replay.sessions.values())
+    commit_log = manager.log
+    directory = getattr(commit_log, "directory", None)
+    wal = {
+        "last_seq": commit_log.last_seq,
+        "dir": str(directory) if directory is not None else None,
+        "bytes": sum(p.stat().st_size for p in directory.glob("seg-*.wal"))
+        if directory is not None
+        else None,
+        "fsync_mean_s": s.wal_s / s.rounds if s.rounds else None,
+        "fsync_max_s": s.wal_max_s if s.rounds else None,
+    }
+    t = manager.target
+    return {
+        "role": "verifier",
+        "key_id": manager.key_id,
+        "sessions": len(states),
+        "closed_sessions": len(manager.replay.closed),
+        "committed_rounds": sum(st.next_round for st in states),
+        "rounds": s.rounds,
+        "retries": s.retries,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "acceptance": s.accepted / s.drafted if s.drafted else 0.0,
+        "emitted": s.emitted,
+        "verify_s": s.verify_s,
+        "sign_s": s.sign_s,
+        "verifier_ceiling_tok_s": s.emitted / s.verify_s if s.verify_s > 0 else None,
+        "refusals": dict(s.refusals),
+        "fragments": {"held": len(manager.fragments), "bytes": manager.fragments.bytes_held},
+        "wal": wal,
+        "target": {
+            "model_digest": t.model_digest,
+            "tokenizer_digest": t.tokenizer_digest,
+            "vocab_size": t.vocab_size,
+        },
+    }

@@ -1,0 +1,452 @@
+"""Verifier sessions: recovery from the commit log and the durable round transaction.
+
+One round request, in the order of DESIGN.md §5 (every refusal writes nothing and leaves the
+session unchanged):
+
+  1. checks: known session, enrolled key, request signature, epoch, already committed round
+     (same request digest -> the stored signed bytes; different -> equivocation), round
+     index, expected head;
+  2. closure: the pre-round MT state and every transcript chunk the request names is either
+     what the session derives or a held, hash-checked fragment (else missing_fragments);
+  3. validate the draft rows and replay the drafting draws, then compute the witness rows
+     (the target backend is shared: one compute lock) and judge;
+  4. build the RoundResult, sign it, append ROUND to the commit log (fsync, group commit);
+  5. fenced CAS: apply only if head and epoch are still what the request expected;
+  6. return the signed bytes.
+
+Sessions are serialised by a per-session asyncio lock; each transaction runs as a shielded
+task, so a client that goes away mid-fsync cannot leave the log ahead of the state.
+Recovery replays the log through `journal.Replay`; the target KV is rebuilt lazily (the
+executor's cursor re-evaluates the transcript on first use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from cluster_config.schema import Limits
+from muser import keys
+from muser.backend import ModelBackend, ModelIdentity
+from muser.canonical import CanonicalError
+from muser.errors import (
+    EquivocationError,
+    FutureEpochError,
+    GenesisMismatchError,
+    HeadMismatchError,
+    JournalError,
+    RoundOutOfOrderError,
+    SessionClosedError,
+    SessionConflictError,
+    SessionFinishedError,
+    SessionLimitError,
+    StaleEpochError,
+    UnenrolledKeyError,
+    UnknownSessionError,
+)
+from muser.records import (
+    RoundRequest,
+    RoundResult,
+    SessionOpen,
+    Signed,
+    sha256,
+    state_digest,
+    transcript_digest,
+)
+from muser.sampling import target_probs
+from muser.verify import RoundDecision, judge_round
+from verifier_gx import journal
+from verifier_gx.admission import (
+    capture_fragment,
+    check_closure,
+    check_drafts,
+    check_identities,
+    check_params,
+    check_room,
+    read_prompt,
+)
+from verifier_gx.executor import TargetExecutor
+from verifier_gx.fragments import FragmentStage
+from verifier_gx.journal import SessionState, short
+
+log = logging.getLogger("muser.verifier")
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    open: SessionOpen
+    epoch: int
+    genesis_head: bytes
+    signature: bytes
+    fragments: Mapping[bytes, bytes]
+
+
+@dataclass(frozen=True)
+class OpenReply:
+    session_id: bytes
+    genesis_head: bytes
+    head: bytes
+    next_round: int
+    epoch: int
+    verifier_key_id: str
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    signed: bytes
+    """Signed(RoundResult).encode(), byte for byte what the commit log holds."""
+    result: RoundResult
+    captures: list[tuple[bytes, bytes]]
+    """(digest, data) capture fragments, sent before the result."""
+    timings: dict[str, float]
+    retry: bool
+
+
+@dataclass
+class VerifierStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    retries: int = 0
+    verify_s: float = 0.0
+    """Target compute + judge wall, summed (the verifier-only ceiling's denominator)."""
+    wal_s: float = 0.0
+    wal_max_s: float = 0.0
+    sign_s: float = 0.0
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+def _background(coro: Coroutine) -> asyncio.Future:
+    """Run `coro` as a task the caller's cancellation does not interrupt."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return asyncio.shield(task)
+
+
+class SessionManager:
+    def __init__(
+        self,
+        *,
+        log,
+        backend: ModelBackend,
+        signing_key: Ed25519PrivateKey,
+        proposer_keys: Mapping[str, Ed25519PublicKey],
+        limits: Limits,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
+        self.executor = TargetExecutor(backend)
+        self.signing_key = signing_key
+        self.key_id = keys.key_id(signing_key.public_key())
+        self.proposer_keys = dict(proposer_keys)
+        self.fragments = FragmentStage()
+        self.stats = VerifierStats()
+        self._locks: dict[bytes, asyncio.Lock] = {}
+        self._open_lock = asyncio.Lock()
+        self._compute_lock = asyncio.Lock()
+        self.replay = self._recover()
+
+    # ---- recovery -------------------------------------------------------------------------
+
+    def _recover(self) -> journal.Replay:
+        if self.log.latest_snapshot() is not None:
+            raise JournalError("the commit log holds a snapshot; this verifier never writes one")
+        replay = journal.Replay(verifier_keys={self.key_id: self.signing_key.public_key()})
+        for seq, payload in self.log.records(self.log.first_seq):
+            try:
+                replay.apply(journal.decode(payload))
+            except (CanonicalError, JournalError) as exc:
+                raise JournalError(
+                    f"commit log record {seq} does not replay: {exc}. The verifier refuses to "
+                    f"start; check the log with `muser wal verify`"
+                ) from exc
+        return replay
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    @property
+    def target(self) -> ModelIdentity:
+        return self.backend.identity
+
+    @property
+    def num_layers(self) -> int | None:
+        """Decoder layers, when the backend can capture hidden rows."""
+        if not hasattr(self.backend, "evaluate_capture"):
+            return None
+        return getattr(self.backend, "num_layers", None)
+
+    def state(self, session_id: bytes) -> SessionState:
+        state = self.replay.sessions.get(session_id)
+        if state is not None:
+            return state
+        if session_id in self.replay.closed:
+            raise SessionClosedError(f"session {session_id.hex()} was closed")
+        raise UnknownSessionError(f"no session {session_id.hex()} is open on this verifier")
+
+    def _lock(self, session_id: bytes) -> asyncio.Lock:
+        return self._locks.setdefault(session_id, asyncio.Lock())
+
+    def _proposer_key(self, key_id: str) -> Ed25519PublicKey:
+        public = self.proposer_keys.get(key_id)
+        if public is None:
+            raise UnenrolledKeyError(
+                f"proposer key {key_id!r} is not enrolled; enrolled keys: {sorted(self.proposer_keys)}"
+            )
+        return public
+
+    @staticmethod
+    def check_epoch(state: SessionState, epoch: int) -> None:
+        if epoch < state.epoch:
+            raise StaleEpochError(
+                f"epoch {epoch} is stale: session {short(state.session_id)} is at epoch "
+                f"{state.epoch} (another proposer took it over)"
+            )
+        if epoch > state.epoch:
+            raise FutureEpochError(
+                f"epoch {epoch} is ahead of session {short(state.session_id)}'s epoch "
+                f"{state.epoch}; open the session at that epoch first"
+            )
+
+    def attach(self, session_id: bytes, epoch: int) -> SessionState:
+        state = self.state(session_id)
+        self.check_epoch(state, epoch)
+        return state
+
+    # ---- open / close ---------------------------------------------------------------------
+
+    async def open_session(self, req: OpenRequest) -> OpenReply:
+        return await _background(self._open(req))
+
+    async def _open(self, req: OpenRequest) -> OpenReply:
+        o = req.open
+        async with self._open_lock:
+            public = self._proposer_key(o.proposer_key_id)
+            keys.verify(public, o.encode(), req.signature, "session open")
+            check_identities(o, self.target)
+            check_params(o, self.limits, self.target.vocab_size, self.num_layers)
+            if o.genesis_head() != req.genesis_head:
+                raise GenesisMismatchError(
+                    f"genesis head {req.genesis_head.hex()} received, "
+                    f"{o.genesis_head().hex()} recomputed from the session open"
+                )
+            sid = o.session_id
+            if sid in self.replay.sessions:
+                async with self._lock(sid):
+                    return await self._reopen(self.replay.sessions[sid], req)
+            if sid in self.replay.closed:
+                raise SessionClosedError(f"session {sid.hex()} was closed; ids are never reused")
+            prompt = read_prompt(o, dict(req.fragments), self.fragments, self.target.vocab_size)
+            check_room(len(prompt), o.params, self.backend.geometry.context_length)
+            active = sum(1 for st in self.replay.sessions.values() if not st.done)
+            if active >= self.limits.max_sessions:  # finished ones only answer retries
+                raise SessionLimitError(
+                    f"{active} unfinished sessions are open; limits.max_sessions is "
+                    f"{self.limits.max_sessions}"
+                )
+            entry = journal.OpenEntry(o, req.epoch, tuple(prompt), req.signature)
+            await self.log.append_async(journal.encode(entry))
+            state = self.replay.apply(entry)
+            log.info("session %s opened epoch=%d prompt=%d", short(sid), req.epoch, len(prompt))
+            return self._reply(state)
+
+    async def _reopen(self, state: SessionState, req: OpenRequest) -> OpenReply:
+        if state.open.encode() != req.open.encode():
+            raise SessionConflictError(
+                f"session {state.session_id.hex()} is open with genesis head "
+                f"{state.open.genesis_head().hex()}; this open has {req.genesis_head.hex()}"
+            )
+        if req.epoch < state.epoch:
+            self.check_epoch(state, req.epoch)
+        if req.epoch > state.epoch:
+            entry = journal.EpochEntry(state.session_id, req.epoch)
+            await self.log.append_async(journal.encode(entry))
+            self.replay.apply(entry)
+            log.info("session %s fenced at epoch %d", short(state.session_id), req.epoch)
+        return self._reply(state)
+
+    def _reply(self, state: SessionState) -> OpenReply:
+        return OpenReply(
+            state.session_id,
+            state.open.genesis_head(),
+            state.head,
+            state.next_round,
+            state.epoch,
+            self.key_id,
+        )
+
+    async def close_session(self, session_id: bytes, epoch: int, signature: bytes) -> None:
+        if session_id in self.replay.closed:
+            return  # closing twice is a no-op
+        await _background(self._close(session_id, epoch, signature))
+
+    async def _close(self, session_id: bytes, epoch: int, signature: bytes) -> None:
+        state = self.state(session_id)
+        async with self._lock(session_id):
+            public = self._proposer_key(state.open.proposer_key_id)
+            keys.verify(public, journal.close_message(session_id, epoch), signature, "close")
+            self.check_epoch(state, epoch)
+            entry = journal.CloseEntry(session_id)
+            await self.log.append_async(journal.encode(entry))
+            self.replay.apply(entry)
+            self.fragments.drop_session(session_id)
+            self._locks.pop(session_id, None)
+            log.info("session %s closed after %d rounds", short(session_id), state.next_round)
+
+    # ---- fragments ------------------------------------------------------------------------
+
+    def put_fragment(self, session_id: bytes, digest: bytes, data: bytes) -> None:
+        state = self.state(session_id)
+        self.fragments.put(digest, data, (session_id, state.next_round))
+
+    def ack(self, session_id: bytes, round_: int) -> int:
+        return self.fragments.release(session_id, round_)
+
+    # ---- the round transaction ------------------------------------------------------------
+
+    async def run_round(self, signed: Signed) -> RoundOutcome:
+        return await _background(self._round(signed))
+
+    async def _round(self, signed: Signed) -> RoundOutcome:
+        request = RoundRequest.decode(signed.body)
+        digest = sha256(signed.body)
+        sid = request.session_id
+        self.state(sid)
+        async with self._lock(sid):
+            state = self.state(sid)  # closed while we waited?
+            if request.proposer_key_id != state.open.proposer_key_id:
+                raise UnenrolledKeyError(
+                    f"request signed by key {request.proposer_key_id!r}; session "
+                    f"{short(sid)} was opened by key {state.open.proposer_key_id!r}"
+                )
+            public = self._proposer_key(request.proposer_key_id)
+            keys.verify(public, signed.body, signed.signature, f"round {request.round} request")
+            self.check_epoch(state, request.epoch)
+            stored = state.committed.get(request.round)
+            if stored is not None:
+                return self._retry(state, request, digest, stored)
+            if request.round != state.next_round:
+                raise RoundOutOfOrderError(
+                    f"round {request.round} received; session {short(sid)} expects round "
+                    f"{state.next_round}"
+                )
+            if request.expected_head != state.head:
+                raise HeadMismatchError(
+                    f"expected head {request.expected_head.hex()} received; session "
+                    f"{short(sid)} is at head {state.head.hex()}"
+                )
+            if state.done:
+                raise SessionFinishedError(
+                    f"session {short(sid)} finished after {state.produced} tokens; no round "
+                    f"{request.round}"
+                )
+            check_closure(state, request, self.fragments)
+            check_drafts(state, request, self.target.vocab_size)
+            return await self._commit(state, request, digest)
+
+    def _retry(self, state, request, digest, stored) -> RoundOutcome:
+        stored_digest, stored_bytes = stored
+        if stored_digest != digest:
+            raise EquivocationError(
+                f"round {request.round} of session {short(state.session_id)} committed request "
+                f"{stored_digest.hex()}; this request is {digest.hex()}"
+            )
+        self.stats.retries += 1
+        result = RoundResult.decode(Signed.decode(stored_bytes).body)
+        captures = [
+            (d, data) for d in result.capture_digests if (data := self.fragments.get(d)) is not None
+        ]
+        return RoundOutcome(stored_bytes, result, captures, {}, True)
+
+    async def _commit(self, state: SessionState, request: RoundRequest, digest: bytes):
+        async with self._compute_lock:  # the target backend and its KV are shared
+            t0 = self.clock()
+            decision, captured = await asyncio.to_thread(self._compute, state, request)
+            t1 = self.clock()
+        emitted = decision.emitted(request.drafts)
+        captures = [capture_fragment(state, request, layer, rows) for layer, rows in captured]
+        result = RoundResult(
+            state.session_id,
+            request.round,
+            request.epoch,
+            state.head,
+            digest,
+            request.frontier,
+            tuple(request.drafts),
+            decision.accepted,
+            decision.next_frontier,
+            state_digest(decision.post_state),
+            transcript_digest(state.transcript + emitted),
+            tuple(d for d, _ in captures),
+            b"\0" * 32,
+            self.key_id,
+        )
+        result = replace(result, head=result.expected_head())
+        post = state.check_round(result, digest)
+        body = result.encode()
+        t2 = self.clock()
+        signed = Signed(body, self.signing_key.sign(body)).encode()
+        t3 = self.clock()
+        await self.log.append_async(journal.encode(journal.RoundEntry(digest, signed)))
+        t4 = self.clock()
+        # fenced CAS: under the session lock nothing else moves head or epoch, so this holds
+        if state.head != request.expected_head or state.epoch != request.epoch:
+            raise JournalError(
+                f"session {short(state.session_id)} moved during round {request.round}"
+            )
+        tokens = state.apply_round(result, digest, signed, post)
+        for d, data in captures:
+            self.fragments.put(d, data, (state.session_id, request.round))
+        timings = {"verify_s": t1 - t0, "sign_s": t3 - t2, "wal_s": t4 - t3}
+        self._observe(request, decision, len(tokens), timings)
+        log.info(
+            "session %s round %d: accepted %d/%d next_frontier %d emitted %d "
+            "verify %.1fms wal %.1fms",
+            short(state.session_id), request.round, decision.accepted, len(request.drafts),
+            decision.next_frontier, len(tokens), 1e3 * timings["verify_s"], 1e3 * timings["wal_s"],
+        )  # fmt: skip
+        return RoundOutcome(signed, result, captures, timings, False)
+
+    def _compute(self, state: SessionState, request: RoundRequest):
+        """Witness rows, judge, settle the KV. Runs in a worker thread under the compute lock."""
+        transcript, drafts = state.transcript, list(request.drafts)
+        layers = sorted(set(state.open.capture_layers))
+        captured: dict[int, np.ndarray] = {}
+        if layers and hasattr(self.backend, "evaluate_capture"):
+            cursor = self.executor.cursor
+            cursor.hold(transcript[:-1])
+            tokens = [transcript[-1], *drafts]
+            logits, captured = self.backend.evaluate_capture(tokens, layers)
+            cursor.tokens.extend(tokens)
+            cursor.last_row = logits[-1]
+        else:
+            logits = self.executor.witness_logits(transcript, drafts)
+        witness = target_probs(logits, state.params)
+        decision: RoundDecision = judge_round(
+            state.mt,
+            request.frontier,
+            request.drafts,
+            request.q_rows,
+            witness,
+            greedy=state.params.greedy,
+        )
+        self.executor.settle(len(transcript), decision.accepted)
+        kept = decision.accepted + 1  # hidden rows of the frontier and the accepted drafts
+        return decision, [(layer, captured[layer][:kept]) for layer in sorted(captured)]
+
+    def _observe(self, request, decision, emitted: int, timings: dict[str, float]) -> None:
+        s = self.stats
+        s.rounds += 1
+        s.drafted += len(request.drafts)
+        s.accepted += decision.accepted
+        s.emitted += emitted
+        s.verify_s += timings["verify_s"]
+        s.wal_s += timings["wal_s"]
+        s.wal_max_s = max(s.wal_max_s, timings["wal_s"])
+        s.sign_s += timings["sign_s"]
