@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from muser.canonical import Reader, Writer
-from muser.records import RoundRequest, RoundResult, SessionOpen, Signed
+from muser.errors import RefusedError
+from muser.records import RoundRequest, RoundResult, SessionOpen, Signed, sha256
 
 DOMAIN = "proposer-journal"
 OPEN, PREPARED, COMMITTED, DONE = 1, 2, 3, 4
@@ -110,3 +111,68 @@ def describe(payload: bytes) -> dict:
     if tag == DONE:
         return {"entry": "done", "session": r.raw(16).hex()}
     raise ValueError(f"unknown entry tag {tag}")
+
+
+class WalInterpreter:
+    """`wal.interpret` adapter: `muser wal inspect/verify` on a proposer journal.
+
+    Checks, per session, that every COMMITTED result chains from the genesis head
+    (prev_head = the head before it, head = H(prev_head ‖ record)) and answers the PREPARED
+    request before it; given --pubkey files, that every result is signed by the key it names
+    and every request by the proposer key the session opened with."""
+
+    name = "proposer-journal"
+
+    def describe(self, payload: bytes) -> dict | None:
+        try:
+            return describe(payload)
+        except (ValueError, RefusedError):
+            return None
+
+    def check_chain(self, records, pubkeys, snapshot) -> str | None:
+        from muser import keys as keymod
+        from muser.walkeys import keys_by_id
+
+        keys = keys_by_id(pubkeys) if pubkeys else None
+        heads: dict[bytes, bytes] = {}
+        prepared: dict[bytes, Signed] = {}
+        owner: dict[bytes, str] = {}
+        for seq, payload in ((r.seq, r.payload) for r in records):
+            where = f"seq {seq}"
+            try:
+                r = Reader(payload, DOMAIN)
+            except RefusedError:
+                continue  # not a journal entry: another interpreter's business
+            try:
+                tag = r.u32()
+                if tag == OPEN:
+                    open_ = SessionOpen.decode(r.blob())
+                    heads[open_.session_id] = open_.genesis_head()
+                    owner[open_.session_id] = open_.proposer_key_id
+                    continue
+                if tag not in (PREPARED, COMMITTED):
+                    continue
+                sid, round_, signed = r.raw(16), r.u64(), Signed.decode(r.blob())
+                where = f"seq {seq}: session {sid.hex()[:8]} round {round_}"
+                if sid not in heads:
+                    return f"{where}: entry for a session with no OPEN before it"
+                if tag == PREPARED:
+                    prepared[sid] = signed
+                    if keys is not None and owner[sid] in keys:
+                        keymod.verify(keys[owner[sid]], signed.body, signed.signature, where)
+                    continue
+                result = RoundResult.decode(signed.body)
+                if result.prev_head != heads[sid] or result.head != result.expected_head():
+                    return f"{where}: result does not chain from the head before it"
+                if sid not in prepared or result.request_digest != sha256(prepared[sid].body):
+                    return f"{where}: result does not answer the PREPARED request before it"
+                if keys is not None:
+                    key = keys.get(result.verifier_key_id)
+                    if key is None:
+                        return f"{where}: no --pubkey for verifier key {result.verifier_key_id}"
+                    keymod.verify(key, signed.body, signed.signature, where)
+                heads[sid] = result.head
+                del prepared[sid]
+            except RefusedError as exc:
+                return f"{where}: {exc}"
+        return None

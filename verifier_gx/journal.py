@@ -406,15 +406,28 @@ class VerifierJournal:
         return JournalReport(count, sessions, bad)
 
 
-def register() -> bool:
-    """Offer `VerifierJournal` to the wal tools (`muser wal inspect / verify`).
+class WalInterpreter:
+    """`wal.interpret` adapter: `muser wal inspect/verify` on a verifier commit log.
 
-    The wal package's interpreter hook (`wal.interpret.register`) does not exist yet; until
-    it does this returns False and the tools show verifier entries as opaque payloads.
-    """
-    try:
-        from wal import interpret
-    except ImportError:
-        return False
-    interpret.register(VerifierJournal())
-    return True
+    Given --pubkey files, every round result's signature must verify under the enrolled key
+    it names (a result naming a key that was not given is a failure)."""
+
+    name = "verifier-journal"
+
+    def describe(self, payload: bytes) -> dict | None:
+        try:
+            return describe(payload)
+        except (CanonicalError, JournalError, ValueError):
+            return None
+
+    def check_chain(self, records, pubkeys, snapshot) -> str | None:
+        from muser.walkeys import keys_by_id
+
+        mine = [(r.seq, r.payload) for r in records if VerifierJournal().matches(r.payload)]
+        if not mine:
+            return None
+        keys = keys_by_id(pubkeys) if pubkeys else None
+        report = VerifierJournal().verify(mine, verifier_keys=keys)
+        if report.first_bad is not None:
+            return f"seq {report.first_bad.seq}: {report.first_bad.reason}"
+        return None

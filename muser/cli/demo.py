@@ -1,93 +1,142 @@
 """`muser demo`: the README's first command.
 
-Builds (or reuses) the fixtures, then generates from a few natural prompts with the text
-appearing live, and prints a table against plain target decode.
+Builds (or reuses) the fixtures, writes a throwaway cluster (keys, config) in a temporary
+directory, starts the verifier and the proposer daemons on loopback, streams a few natural
+prompts with the text appearing as rounds commit, measures plain target decode on the same
+prompts, prints a table, and shuts everything down — also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.add_argument("--prompts", type=int, default=3, help="natural prompts to stream (default 3)")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="write the cluster (keys, config, WALs, logs) here and keep it",
+    )
     p.set_defaults(func=run)
 
 
+def say(text: str) -> None:
+    print(f"\n== {text}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.keep is not None:
+        return _demo(args, args.keep)
+    with tempfile.TemporaryDirectory(prefix="muser-demo-") as tmp:
+        return _demo(args, Path(tmp))
+
+
+def _demo(args: argparse.Namespace, workdir: Path) -> int:
+    from muser.cli._common import default_pair
+
+    say("fixtures (built once, then cached)")
+    target_dir, draft_dir = default_pair(progress=True)
+
     from transformers import AutoTokenizer
 
-    from muser.cli._common import TextStreamer, encode_prompt, stats_table
-    from muser.fixtures import build_fixtures, natural_prompts
+    from muser.cli.cluster_client import stream_generate
+    from muser.cli.config import init_cluster
+    from muser.fixtures import natural_prompts
+    from muser.procs import Daemon
     from muser.sampling import SamplingParams
-    from muser.stats import LaneStats
-    from proposer_mac.backends import load_draft_backend
-    from proposer_mac.local_lane import run_local
     from verifier_gx.backends import load_target_backend
     from verifier_gx.plain import run_plain
 
-    print("== fixtures", file=sys.stderr)
-    pair = build_fixtures(progress=True).natural
-    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
-    target = load_target_backend("torch", pair.target)
-    draft = load_draft_backend("torch", pair.draft)
-    totals = {"plain": LaneStats(), "local": LaneStats()}
-    for i, text in enumerate(natural_prompts(args.prompts)):
-        params = SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i
-        )
-        prompt = encode_prompt(tokenizer, text)
-        print(f"\n== prompt {i + 1}/{args.prompts} (local lane, text streams as it commits)")
-        sys.stdout.write(text)
-        target.reset()
-        draft.reset()
-        local = run_local(
-            target,
-            draft,
-            prompt,
-            params,
-            draft_len=args.draft_len,
-            on_tokens=TextStreamer(tokenizer),
-        )
-        target.reset()
-        plain = run_plain(target, prompt, params)
-        if params.greedy and plain.tokens != local.tokens:
-            print("\nERROR: the local lane differs from plain decode", file=sys.stderr)
-            return 1
-        for name, r in (("plain", plain), ("local", local)):
-            t = totals[name]
-            t.rounds += r.stats.rounds
-            t.drafted += r.stats.drafted
-            t.accepted += r.stats.accepted
-            t.emitted += r.stats.emitted
-            t.wall_s += r.stats.wall_s
-            t.draft_s += r.stats.draft_s
-            t.verify_s += r.stats.verify_s
-        print()
-    plain, local = totals["plain"], totals["local"]
-    print("\n== statistics")
+    say(f"cluster: keys and cluster.toml in {workdir}")
+    config = init_cluster(
+        workdir, target=target_dir, draft=draft_dir, draft_len=args.draft_len, force=True
+    )
+    daemons = [Daemon("verifier", config, workdir), Daemon("proposer", config, workdir)]
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    rows = []
+    try:
+        for daemon in daemons:
+            say(f"starting the {daemon.role} daemon (log: {daemon.log_path})")
+            daemon.start()
+        from cluster_config import load_config
+
+        address = load_config(config).proposer.address
+        target = load_target_backend("torch", target_dir)
+        for i, text in enumerate(natural_prompts(args.prompts)):
+            params = SamplingParams(
+                temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i
+            )
+            prompt = list(tokenizer.encode(text, add_special_tokens=False))
+            say(f"prompt {i + 1}/{args.prompts}: the cluster streams each round as it commits")
+            sys.stdout.write(text)
+            result = stream_generate(
+                address,
+                prompt,
+                params,
+                on_event=lambda e: (sys.stdout.write(e.text), sys.stdout.flush()),
+            )
+            target.reset()
+            plain = run_plain(target, prompt, params)
+            same = plain.tokens == result["tokens"]
+            rows.append((result, plain, same))
+            print()
+    except KeyboardInterrupt:
+        say("interrupted: stopping the daemons")
+        return 130
+    finally:
+        for daemon in reversed(daemons):
+            daemon.stop()
+    _table(rows, args.temperature == 0)
+    if args.temperature == 0 and not all(same for _, _, same in rows):
+        print("ERROR: the cluster's greedy output differs from plain decode", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _table(rows, greedy: bool) -> None:
+    from muser.cli._common import stats_table
+
+    tokens = sum(len(r["tokens"]) for r, _, _ in rows)
+    wall = sum(r["stats"]["client_wall_s"] for r, _, _ in rows)
+    plain_tokens = sum(len(p.tokens) for _, p, _ in rows)
+    plain_wall = sum(p.stats.wall_s for _, p, _ in rows)
+    drafted = sum(r["stats"]["drafted"] for r, _, _ in rows)
+    accepted = sum(r["stats"]["accepted"] for r, _, _ in rows)
+    rounds = sum(r["stats"]["rounds"] for r, _, _ in rows)
+    split = {
+        k: sum(r["stats"]["split_s"][k] for r, _, _ in rows)
+        for k in ("draft", "transport", "verify", "wal", "sign")
+    }
+    cluster_rate, plain_rate = tokens / wall, plain_tokens / plain_wall
+    say("statistics")
     print(
         stats_table(
             [
-                ("plain target decode", f"{plain.tokens_per_s:.1f} tok/s"),
+                ("cluster (2 daemons, loopback)", f"{cluster_rate:.1f} tok/s"),
+                ("plain target decode", f"{plain_rate:.1f} tok/s"),
+                ("cluster / plain", f"{cluster_rate / plain_rate:.2f}×"),
                 (
-                    "local lane",
-                    f"{local.tokens_per_s:.1f} tok/s ({local.tokens_per_s / plain.tokens_per_s:.2f}× plain)",
+                    "acceptance",
+                    f"{accepted / drafted:.3f} ({accepted}/{drafted})" if drafted else "-",
                 ),
-                ("acceptance", f"{local.acceptance:.3f} ({local.accepted}/{local.drafted})"),
-                ("tokens per round", f"{local.tokens_per_round:.2f} (includes the next frontier)"),
-                ("round split", f"draft {local.draft_s:.2f} s, verify {local.verify_s:.2f} s"),
+                ("tokens per round", f"{tokens / rounds:.2f} (includes the next frontier)"),
+                ("round split", ", ".join(f"{k} {v:.2f}s" for k, v in split.items())),
                 (
-                    "greedy exactness",
-                    "identical to plain decode" if args.temperature == 0 else "n/a (sampled)",
+                    "exactness",
+                    "greedy output identical to plain decode"
+                    if greedy and all(s for _, _, s in rows)
+                    else "sampled (same distribution)",
                 ),
             ]
         )
     )
-    return 0

@@ -1,0 +1,85 @@
+"""Daemons as child processes: the demo, the bench and the integration tests start them so.
+
+`Daemon(role, config, log_dir)` runs `muser ROLE serve --config FILE` with stdout/stderr in
+a log file, waits for its "listening on" line, and can stop it (SIGTERM) or kill it
+(SIGKILL, what a power cut looks like to the process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from muser.errors import MuserError
+
+
+class DaemonError(MuserError):
+    """A daemon exited or did not come up in time; the message holds its log tail."""
+
+
+class Daemon:
+    def __init__(self, role: str, config: Path, log_dir: Path):
+        self.role, self.config = role, Path(config)
+        self.log_path = Path(log_dir) / f"{role}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.starts += 1
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            log.write(f"\n--- start {self.starts} ---\n")
+        offset = self.log_path.stat().st_size
+        log = self.log_path.open("a")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "muser.cli.main",
+                self.role,
+                "serve",
+                "--config",
+                str(self.config),
+            ],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")[offset:]
+            if f"{self.role} listening on" in text:
+                return
+            if self.proc.poll() is not None:
+                raise DaemonError(f"{self.role} exited {self.proc.returncode}:\n{text[-3000:]}")
+            time.sleep(0.05)
+        self.kill()
+        raise DaemonError(f"{self.role} did not start in {timeout:.0f}s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode if self.proc else None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
