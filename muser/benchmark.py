@@ -204,7 +204,13 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
         accepted = sum(s.accepted for s in all_s)
         rounds = sum(s.rounds for s in all_s)
         emitted = sum(len(s.tokens) for s in all_s)
+        split: dict[str, float] = {}
+        for smp in all_s:
+            for k, v in smp.split_s.items():
+                split[k] = split.get(k, 0.0) + v
         out[lane] = {
+            "split_s": split,
+            "verifier_ceiling": emitted / split["verify"] if split.get("verify") else None,
             "tokens_per_s": statistics.median(rates),
             "spread": [min(rates), max(rates)],
             "acceptance": accepted / drafted if drafted else None,
@@ -238,15 +244,26 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
 
 
 def format_table(summary: dict) -> str:
-    lines = [
-        f"{'lane':<20} {'tok/s':>8} {'spread':>17} {'×plain':>7} {'accept':>7} {'tok/rnd':>7} {'=plain':>7}"
-    ]
+    head = (
+        f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'accept':>7} "
+        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'=plain':>7}"
+    )
+    lines = [head]
     for lane, r in summary.items():
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] is not None else "-"
+        ceiling = r.get("verifier_ceiling")
+        ceil_s = f"{ceiling:.1f}" if ceiling else "-"
+        ratio = f"{r['tokens_per_s'] / ceiling:.2f}" if ceiling else "-"
         lo, hi = r["spread"]
         lines.append(
-            f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>17} "
-            f"{r.get('ratio_to_plain', 0):>7.2f} {acc:>7} {tpr:>7} {r['greedy_match_plain']:>7}"
+            f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
+            f"{r.get('ratio_to_plain', 0):>7.2f} {acc:>7} {tpr:>7} {ceil_s:>8} {ratio:>6} "
+            f"{r['greedy_match_plain']:>7}"
         )
+    splits = [(lane, r["split_s"]) for lane, r in summary.items() if r.get("split_s")]
+    if splits:
+        lines.append("round split (seconds summed over all runs):")
+        for lane, split in splits:
+            lines.append(f"  {lane:<18} " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
     return "\n".join(lines)

@@ -41,6 +41,8 @@ class SessionRunner:
         self.changed = asyncio.Condition()
         self.error: Exception | None = None
         self.task: asyncio.Task | None = None
+        self.durable = len(session.emitted)
+        """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
 
     def start(self) -> None:
         self.task = asyncio.create_task(
@@ -48,41 +50,67 @@ class SessionRunner:
         )
 
     async def wait_tokens(self, offset: int) -> tuple[list[int], bool]:
-        """Block until tokens beyond `offset` exist, the session ends, or it fails."""
+        """Block until durable tokens beyond `offset` exist, the session ends, or it fails.
+
+        Only tokens whose COMMITTED entry is fsynced are ever returned."""
+        s = self.session
         async with self.changed:
             await self.changed.wait_for(
-                lambda: len(self.session.emitted) > offset or self.session.done or self.error
+                lambda: self.durable > offset or self.finished or self.error
             )
-        if self.error is not None and len(self.session.emitted) <= offset:
+        if self.error is not None and self.durable <= offset:
             raise self.error
-        return self.session.emitted[offset:], self.session.done
+        return s.emitted[offset : self.durable], self.finished and self.durable == len(s.emitted)
+
+    @property
+    def finished(self) -> bool:
+        return self.session.done and self.durable == len(self.session.emitted)
 
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
 
     async def _run(self) -> None:
-        start = time.perf_counter()
         try:
             await self._drive()
         except Exception as exc:  # a failed session is reported to its clients, not lost
             log.error("session %s failed: %s", self.session.session_id.hex()[:8], exc)
             self.error = exc
         finally:
-            self.stats.wall_s += time.perf_counter() - start
             await self._notify()
+
+    def _start_draft(self) -> asyncio.Future:
+        """Draft the next round in the draft thread; returns (proposal, seconds)."""
+        s = self.session
+        depth = plan_depth(s.draft_len, s.params.max_tokens - len(s.emitted))
+        transcript, state = list(s.transcript), s.state
+
+        def work():
+            t0 = time.perf_counter()
+            return self.drafter.draft(transcript, state, depth), time.perf_counter() - t0
+
+        return asyncio.get_running_loop().run_in_executor(self.core.draft_pool, work)
 
     async def _drive(self) -> None:
         s, core = self.session, self.core
-        backoff = 0.05
+        start = time.perf_counter() - self.stats.wall_s
         stream: RoundStream | None = None
+        drafting: asyncio.Future | None = None
+        backoff = 0.05
         while not s.done:
+            if s.prepared is None:
+                proposal, seconds = await (drafting or self._start_draft())
+                drafting = None
+                self.stats.draft_s += seconds
+                signed_request = s.build_request(proposal.drafts, proposal.q_rows, core.private)
+                await core.log.append_async(
+                    journal.encode_prepared(s.session_id, s.next_round, signed_request)
+                )
+                s.prepared = signed_request
             try:
                 if stream is None:
                     stream = await core.attach(s)
                     backoff = 0.05
-                if s.prepared is None:
-                    await self._prepare()
                 t0 = time.perf_counter()
                 signed, raw = await stream.round_trip(s.prepared, s.fragments)
                 t1 = time.perf_counter()
@@ -101,36 +129,27 @@ class SessionRunner:
                 backoff = min(backoff * 2, 1.0)
                 continue
             result = s.check_result(s.prepared, signed, core.verifiers)
-            await core.log.append_async(
-                journal.encode_committed(s.session_id, result.round, signed)
+            tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
+            commit = asyncio.ensure_future(
+                core.log.append_async(journal.encode_committed(s.session_id, result.round, signed))
             )
+            if not s.done:
+                drafting = self._start_draft()  # the next draft overlaps the COMMITTED fsync
+            await commit
             t2 = time.perf_counter()
-            tokens = s.apply(result)
+            self.durable = len(s.emitted)
             self.stats.observe_round(len(result.drafts), result.accepted, len(tokens))
             remote = raw.verify_s + raw.wal_s + raw.sign_s
             self.stats.verify_s += raw.verify_s
             self.stats.wal_s += raw.wal_s + (t2 - t1)
             self.stats.sign_s += raw.sign_s
             self.stats.transport_s += max(0.0, (t1 - t0) - remote)
+            self.stats.wall_s = time.perf_counter() - start
             stream.ack(result.round)
             await self._notify()
         await core.log.append_async(journal.encode_done(s.session_id))
         if stream is not None:
             stream.close()
-
-    async def _prepare(self) -> None:
-        s = self.session
-        depth = plan_depth(s.draft_len, s.params.max_tokens - len(s.emitted))
-        t0 = time.perf_counter()
-        proposal = await asyncio.get_running_loop().run_in_executor(
-            self.core.draft_pool, self.drafter.draft, list(s.transcript), s.state, depth
-        )
-        self.stats.draft_s += time.perf_counter() - t0
-        signed = s.build_request(proposal.drafts, proposal.q_rows, self.core.private)
-        await self.core.log.append_async(
-            journal.encode_prepared(s.session_id, s.next_round, signed)
-        )
-        s.prepared = signed
 
 
 class DriverContext:

@@ -20,6 +20,12 @@ def register(sub, name: str, help_text: str) -> None:
     p.add_argument("--q-top-k", type=int, default=32)
     p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
     p.add_argument("--no-peers", action="store_true", help="skip transformers / mlx-lm peers")
+    p.add_argument(
+        "--cluster-delays",
+        default="0",
+        metavar="MS,MS",
+        help="cluster lanes at these injected round-trip delays in ms (default 0; '' = none)",
+    )
     p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
     p.add_argument(
         "--receipt", type=Path, default=None, help="receipt path (default bench-receipts/)"
@@ -56,7 +62,19 @@ def run(args: argparse.Namespace) -> int:
         draft_backend=args.draft_backend,
         peers=not args.no_peers,
     )
-    samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
+    import contextlib
+
+    from muser.bench_cluster import cluster_lanes
+
+    delays = [float(d) for d in args.cluster_delays.split(",") if d.strip()]
+    with contextlib.ExitStack() as stack:
+        if delays:
+            lanes |= stack.enter_context(
+                cluster_lanes(
+                    pair.target, pair.draft, params, draft_len=args.draft_len, delays_ms=delays
+                )
+            )
+        samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
     summary = summarise(samples)
     meta = {
         "command": " ".join(sys.argv),
@@ -68,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         "q_top_k": args.q_top_k,
         "draft_backend": args.draft_backend,
         "max_tokens": args.max_tokens,
+        "cluster_delays_ms": delays,
         "repeats": args.repeats,
         "notes": notes,
         "threads": "torch.set_num_threads(1); mlx on its CPU stream",

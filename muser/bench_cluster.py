@@ -1,0 +1,94 @@
+"""Cluster lanes for the bench: real daemons on loopback, optionally behind a delay proxy.
+
+One verifier serves every lane; each injected delay gets its own proposer daemon whose
+verifier address is a `TcpProxy` adding half the round-trip delay in each direction. The
+daemons are started once and stopped when the harness exits (also on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+from muser.benchmark import LaneFn, Sample
+from muser.sampling import SamplingParams
+
+
+@contextlib.contextmanager
+def cluster_lanes(
+    target_dir: Path,
+    draft_dir: Path,
+    params: SamplingParams,
+    *,
+    draft_len: int,
+    delays_ms: list[float],
+):
+    """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms)."""
+    from cluster_config import load_config
+    from muser.cli.cluster_client import stream_generate
+    from muser.cli.config import free_port, init_cluster
+    from muser.netproxy import TcpProxy
+    from muser.procs import Daemon
+
+    with tempfile.TemporaryDirectory(prefix="muser-bench-") as tmp, contextlib.ExitStack() as stack:
+        base = init_cluster(Path(tmp), target=target_dir, draft=draft_dir, draft_len=draft_len)
+        config = load_config(base)
+        verifier = Daemon("verifier", base, Path(tmp))
+        verifier.start()
+        stack.callback(verifier.stop)
+        host, port = config.verifier.address.rsplit(":", 1)
+        lanes: dict[str, LaneFn] = {}
+        for delay in delays_ms:
+            text = base.read_text()
+            proposer_addr = f"127.0.0.1:{free_port()}"
+            text = text.replace(
+                f'address = "{config.proposer.address}"', f'address = "{proposer_addr}"'
+            )
+            text = text.replace(
+                'wal_dir = "wal/proposer"', f'wal_dir = "wal/proposer-{delay:g}ms"'
+            )
+            if delay > 0:
+                proxy = TcpProxy((host, int(port)), delay_s=delay / 2000)
+                proxy.start()
+                stack.callback(proxy.close)
+                text = text.replace(
+                    f'address = "{config.verifier.address}"',
+                    f'address = "127.0.0.1:{proxy.port}"\nbind = "{config.verifier.address}"',
+                )
+            path = Path(tmp) / f"cluster-{delay:g}ms.toml"
+            path.write_text(text)
+            proposer = Daemon("proposer", path, Path(tmp) / f"logs-{delay:g}ms")
+            proposer.start()
+            stack.callback(proposer.stop)
+            lanes[f"cluster@{delay:g}ms"] = _lane(stream_generate, proposer_addr, params)
+        yield lanes
+
+
+def _lane(stream_generate, address: str, params: SamplingParams) -> LaneFn:
+    def run(prompt: list[int], max_tokens: int) -> Sample:
+        p = SamplingParams(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            max_tokens=max_tokens,
+            seed=params.seed,
+        )
+        start = time.perf_counter()
+        r = stream_generate(address, prompt, p)
+        wall = time.perf_counter() - start
+        s = r["stats"]
+        return Sample(
+            "cluster",
+            0,
+            0,
+            r["tokens"],
+            wall,
+            s["drafted"],
+            s["accepted"],
+            s["rounds"],
+            s["split_s"],
+        )
+
+    return run
