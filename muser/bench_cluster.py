@@ -46,9 +46,7 @@ def cluster_lanes(
             text = text.replace(
                 f'address = "{config.proposer.address}"', f'address = "{proposer_addr}"'
             )
-            text = text.replace(
-                'wal_dir = "wal/proposer"', f'wal_dir = "wal/proposer-{delay:g}ms"'
-            )
+            text = text.replace('wal_dir = "wal/proposer"', f'wal_dir = "wal/proposer-{delay:g}ms"')
             if delay > 0:
                 proxy = TcpProxy((host, int(port)), delay_s=delay / 2000)
                 proxy.start()

@@ -20,14 +20,16 @@ def generate(out: Path) -> None:
     from grpc_tools import protoc
 
     out.mkdir(parents=True, exist_ok=True)
-    code = protoc.main([
-        "grpc_tools.protoc",
-        f"-I{ROOT / 'proto'}",
-        f"--python_out={out}",
-        f"--grpc_python_out={out}",
-        f"--pyi_out={out}",
-        str(ROOT / "proto" / PROTO),
-    ])
+    code = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            f"--pyi_out={out}",
+            str(ROOT / "proto" / PROTO),
+        ]
+    )
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
 
