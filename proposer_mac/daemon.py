@@ -35,7 +35,12 @@ log = logging.getLogger("muser.proposer")
 
 class ProposerCore:
     def __init__(
-        self, config: ClusterConfig, *, draft=None, target_identity: Identity | None = None
+        self,
+        config: ClusterConfig,
+        *,
+        draft=None,
+        target_identity: Identity | None = None,
+        tokenizer=None,
     ):
         from wal import FileLog
 
@@ -63,7 +68,7 @@ class ProposerCore:
             private=self.private, verifiers=self.verifiers, log=self.log, channel=self.channel
         )
         self.runners: dict[bytes, SessionRunner] = {}
-        self._tokenizer = None
+        self._tokenizer = tokenizer
 
     @property
     def tokenizer(self):
@@ -216,8 +221,9 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         )
 
 
-async def create_server(config: ClusterConfig, *, draft=None, target_identity=None):
-    core = ProposerCore(config, draft=draft, target_identity=target_identity)
+async def create_server(config: ClusterConfig, *, draft=None, target_identity=None, tokenizer=None):
+    """Build and start the proposer server; returns (server, port). Backends injectable."""
+    core = ProposerCore(config, draft=draft, target_identity=target_identity, tokenizer=tokenizer)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", config.limits.max_message_bytes),

@@ -1,0 +1,148 @@
+"""The proposer daemon in process, against an in-process verifier, on fake backends."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from muser.sampling import SamplingParams
+from muser.wire import convert
+from muser.wire import muser_v2_pb2 as pb
+from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from proposer_mac.daemon import create_server
+from proposer_mac.local_lane import run_local
+from tests.core.fake_backend import FakeBackend
+from tests.verifier.conftest import PROMPT, Verifier, make_config
+from tests.verifier.lane_client import identity_of
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for event text: one character per token id."""
+
+    def decode(self, tokens):
+        return "".join(chr(65 + t % 26) for t in tokens)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 24 for c in text]
+
+
+class Cluster:
+    def __init__(self, verifier, server, port, channel):
+        self.verifier, self.server, self.port, self.channel = verifier, server, port, channel
+        self.stub = pb_grpc.ProposerStub(channel)
+
+    async def generate(self, params: SamplingParams, **fields) -> list:
+        request = pb.GenerateRequest(params=convert.params_to_pb(params), **fields)
+        return [event async for event in self.stub.Generate(request)]
+
+
+async def start(key_set, tmp_path, *, enrol_stranger=False, **limits):
+    verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
+    await verifier.start()
+    cfg = verifier.config
+    d = key_set.dir
+    enrolment = cfg.enrolment.model_copy(
+        update={"verifiers": [d / ("stranger.pub" if enrol_stranger else "verifier.pub")]}
+    )
+    cfg = cfg.model_copy(
+        update={
+            "verifier": cfg.verifier.model_copy(update={"address": f"127.0.0.1:{verifier.port}"}),
+            "proposer": cfg.proposer.model_copy(update={"address": "127.0.0.1:0"}),
+            "enrolment": enrolment,
+        }
+    )
+    server, port = await create_server(
+        cfg,
+        draft=FakeBackend(order=1, salt=1),
+        target_identity=identity_of(verifier.backend),
+        tokenizer=CharTokenizer(),
+    )
+    return Cluster(verifier, server, port, grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+
+
+@pytest_asyncio.fixture
+async def cluster(key_set, tmp_path):
+    c = await start(key_set, tmp_path)
+    yield c
+    await c.channel.close()
+    await c.server.stop(None)
+    c.server.core.log.close()
+    await c.verifier.stop()
+
+
+PARAMS = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
+
+
+@pytest.mark.asyncio
+async def test_generate_equals_the_local_lane_and_offsets_are_contiguous(cluster):
+    events = await cluster.generate(PARAMS, prompt_tokens=PROMPT)
+    tokens = [t for e in events for t in e.tokens]
+    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, PARAMS, q_top_k=32)
+    assert tokens == local.tokens
+    offsets = [e.offset for e in events]
+    assert offsets == [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]
+    assert events[-1].done and events[-1].stats_json
+
+
+@pytest.mark.asyncio
+async def test_reconnect_with_session_and_offset_gets_exactly_the_rest(cluster):
+    events = await cluster.generate(PARAMS, prompt_tokens=PROMPT)
+    tokens = [t for e in events for t in e.tokens]
+    rest = await cluster.generate(PARAMS, session_id=events[0].session_id, offset=17)
+    assert [t for e in rest for t in e.tokens] == tokens[17:]
+    assert rest[0].offset == 17 and rest[-1].done
+
+
+@pytest.mark.asyncio
+async def test_unknown_session_is_not_found(cluster):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.generate(PARAMS, session_id=b"\x01" * 16)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "unknown session 0101" in err.value.details()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("params", "fields", "message"),
+    [
+        (SamplingParams(max_tokens=5000), {"prompt_tokens": PROMPT}, "exceeds the cluster limit"),
+        (PARAMS, {"prompt_tokens": [1, 99]}, "prompt token 99 outside the vocabulary"),
+        (PARAMS, {"prompt": ""}, "the prompt is empty"),
+    ],
+)
+async def test_bad_requests_are_refused_with_what_was_wrong(cluster, params, fields, message):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.generate(params, **fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+@pytest.mark.asyncio
+async def test_invalid_sampling_params_are_refused(cluster):
+    request = pb.GenerateRequest(
+        params=pb.SamplingParams(temperature=-1.0, top_p=1.0, max_tokens=4), prompt_tokens=PROMPT
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [e async for e in cluster.stub.Generate(request)]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature must be a finite number >= 0, got -1.0" in err.value.details()
+
+
+@pytest.mark.asyncio
+async def test_results_from_an_unenrolled_verifier_are_never_emitted(key_set, tmp_path):
+    c = await start(key_set, tmp_path, enrol_stranger=True)
+    try:
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for event in c.stub.Generate(
+                pb.GenerateRequest(params=convert.params_to_pb(PARAMS), prompt_tokens=PROMPT)
+            ):
+                received += list(event.tokens)
+        assert received == []
+        assert "not an enrolled verifier" in err.value.details()
+    finally:
+        await c.channel.close()
+        await c.server.stop(None)
+        c.server.core.log.close()
+        await c.verifier.stop()
