@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from backend_helpers import build_backend
+from tests.backends.backend_helpers import build_backend
 
 from muser.testing import make_tiny_checkpoint
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from backend_helpers import PROMPT
+from tests.backends.backend_helpers import PROMPT
 
 from muser.errors import CaptureLayerError, RefusedError
 

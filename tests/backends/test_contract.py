@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from backend_helpers import PROMPT, float64_rows
+from tests.backends.backend_helpers import PROMPT, float64_rows
 
 from muser.backend import ModelBackend
 from muser.errors import RollbackError, TokenOutOfVocabularyError

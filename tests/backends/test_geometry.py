@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from backend_helpers import PROMPT, build_backend
+from tests.backends.backend_helpers import PROMPT, build_backend
 
 from muser.errors import InvalidOverrideError, ModelLoadError
 from muser.geometry import read_geometry

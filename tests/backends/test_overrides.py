@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from backend_helpers import PROMPT, build_backend, float64_rows
+from tests.backends.backend_helpers import PROMPT, build_backend, float64_rows
 
 from muser.errors import ContextOverflowError, InvalidOverrideError
 
