@@ -136,6 +136,11 @@ class SessionOpen:
     def genesis_head(self) -> bytes:
         return sha256(self.encode())
 
+    def signed_message(self, epoch: int) -> bytes:
+        """What the proposer signs to open (or re-open) the session at `epoch`: the epoch is
+        covered, so a captured open cannot be replayed to fence the session higher."""
+        return Writer("session-open-at-epoch").blob(self.encode()).u64(epoch).bytes()
+
 
 @dataclass(frozen=True)
 class RoundRequest:

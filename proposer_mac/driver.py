@@ -169,7 +169,7 @@ class DriverContext:
 
     async def open_remote(self, s: ProposerSession) -> None:
         """Open (or idempotently re-open) the session on the verifier."""
-        body = s.open.encode()
+        body = s.open.signed_message(s.epoch)
         request = convert.open_to_pb(
             s.open,
             s.epoch,

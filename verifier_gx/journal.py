@@ -14,9 +14,9 @@ starting at the genesis head of OPEN), the post-round MT19937 state digest (pre-
 advanced by `draws_for_round`) and the transcript digest. Daemon recovery and
 `muser wal verify` run this same code, so what one accepts the other accepts.
 
-The proposer signs `SessionOpen.encode()` to open and `close_message(session, epoch)` to
-close. (The open signature does not cover the epoch: a replayed signed open can fence a
-session at a higher epoch but cannot forge a round.)
+The proposer signs `SessionOpen.signed_message(epoch)` to open (the epoch is covered, so a
+captured open cannot be replayed at a higher epoch to fence the session) and
+`close_message(session, epoch)` to close.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class Replay:
         if not entry.prompt:
             raise JournalError(f"OPEN of session {sid.hex()}: empty prompt")
         if self.proposer_keys is not None:
-            signed = Signed(entry.open.encode(), entry.signature)
+            signed = Signed(entry.open.signed_message(entry.epoch), entry.signature)
             _check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "open")
         state = SessionState.fresh(entry)
         self.sessions[sid] = state

@@ -228,7 +228,7 @@ class SessionManager:
         o = req.open
         async with self._open_lock:
             public = self._proposer_key(o.proposer_key_id)
-            keys.verify(public, o.encode(), req.signature, "session open")
+            keys.verify(public, o.signed_message(req.epoch), req.signature, "session open")
             check_identities(o, self.target)
             check_params(o, self.limits, self.target.vocab_size, self.num_layers)
             if o.genesis_head() != req.genesis_head:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tests.backends.backend_helpers import build_backend
 
 from muser.testing import make_tiny_checkpoint
+from tests.backends.backend_helpers import build_backend
 
 
 @pytest.fixture(scope="session", autouse=True)

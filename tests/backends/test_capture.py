@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.backends.backend_helpers import PROMPT
 
 from muser.errors import CaptureLayerError, RefusedError
+from tests.backends.backend_helpers import PROMPT
 
 
 def test_capture_shapes_and_unchanged_logits(loaded) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.backends.backend_helpers import PROMPT, float64_rows
 
 from muser.backend import ModelBackend
 from muser.errors import RollbackError, TokenOutOfVocabularyError
+from tests.backends.backend_helpers import PROMPT, float64_rows
 
 KINDS = ["torch", "mlx", "windowed"]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.backends.backend_helpers import PROMPT, build_backend
 
 from muser.errors import InvalidOverrideError, ModelLoadError
 from muser.geometry import read_geometry
+from tests.backends.backend_helpers import PROMPT, build_backend
 
 
 def _edit_config(path: Path, drop: tuple[str, ...] = (), **values) -> None:

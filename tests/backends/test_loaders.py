@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.backends.backend_helpers import PROMPT
 
 from muser.errors import InvalidOverrideError, UnknownBackendError
 from proposer_mac.backends import DRAFT_KINDS, load_draft_backend
+from tests.backends.backend_helpers import PROMPT
 from verifier_gx.backends import TARGET_KINDS, load_target_backend
 
 

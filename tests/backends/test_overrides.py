@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.backends.backend_helpers import PROMPT, build_backend, float64_rows
 
 from muser.errors import ContextOverflowError, InvalidOverrideError
+from tests.backends.backend_helpers import PROMPT, build_backend, float64_rows
 
 THETA = 500.0  # the fixtures are saved with rope_theta 10000
 

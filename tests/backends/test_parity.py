@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.backends.backend_helpers import PROMPT, build_backend, float64_rows
 
 from muser.errors import ContextOverflowError
 from muser.testing import ARCHES
+from tests.backends.backend_helpers import PROMPT, build_backend, float64_rows
 
 
 @pytest.mark.parametrize("arch", ARCHES)

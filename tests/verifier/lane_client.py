@@ -117,7 +117,8 @@ class LaneClient:
                 signer: Ed25519PrivateKey | None = None,
                 fragments: dict[bytes, bytes] | None = None) -> pb.OpenSessionRequest:  # fmt: skip
         o = open_ or self.open
-        signature = (signer or self.key).sign(o.encode())
+        at = self.epoch if epoch is None else epoch
+        signature = (signer or self.key).sign(o.signed_message(at))
         if fragments is None:
             fragments = {o.prompt_digest: tokens_bytes(self.prompt)}
         return convert.open_to_pb(o, self.epoch if epoch is None else epoch, signature, fragments)
