@@ -142,6 +142,11 @@ class SessionOpen:
         return Writer("session-open-at-epoch").blob(self.encode()).u64(epoch).bytes()
 
 
+def close_message(session_id: bytes, epoch: int) -> bytes:
+    """What a proposer signs to close a session on the verifier."""
+    return Writer("session-close").raw(session_id, 16).u64(epoch).bytes()
+
+
 @dataclass(frozen=True)
 class RoundRequest:
     session_id: bytes

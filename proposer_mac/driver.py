@@ -19,10 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from muser.records import tokens_bytes
+from muser.records import close_message, tokens_bytes
 from muser.round import plan_depth
 from muser.stats import LaneStats
 from muser.wire import convert
+from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
 from proposer_mac.drafting import Drafter
@@ -150,6 +151,7 @@ class SessionRunner:
         await core.log.append_async(journal.encode_done(s.session_id))
         if stream is not None:
             stream.close()
+        await core.close_remote(s)
 
 
 class DriverContext:
@@ -182,6 +184,24 @@ class DriverContext:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise LinkDown(f"open session: {exc.code().name}: {exc.details()}") from exc
             raise RoundRefused(exc.code(), "open", exc.details() or "") from exc
+
+    async def close_remote(self, s: ProposerSession) -> None:
+        """Tell the verifier the session is finished so it stops holding it (best effort:
+        a finished session that stays open there is only answered from its WAL)."""
+        request = pb.CloseSessionRequest(
+            session_id=s.session_id,
+            epoch=s.epoch,
+            signature=self.private.sign(close_message(s.session_id, s.epoch)),
+        )
+        try:
+            await self.stub.CloseSession(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "session %s: closing it on the verifier failed: %s: %s",
+                s.session_id.hex()[:8],
+                exc.code().name,
+                exc.details(),
+            )
 
     async def attach(self, s: ProposerSession) -> RoundStream:
         await self.open_remote(s)

@@ -16,7 +16,7 @@ advanced by `draws_for_round`) and the transcript digest. Daemon recovery and
 
 The proposer signs `SessionOpen.signed_message(epoch)` to open (the epoch is covered, so a
 captured open cannot be replayed at a higher epoch to fence the session) and
-`close_message(session, epoch)` to close.
+`muser.records.close_message(session, epoch)` to close.
 """
 
 from __future__ import annotations
@@ -113,11 +113,6 @@ def decode(payload: bytes) -> Entry:
         raise CanonicalError(f"unknown verifier journal entry tag {tag} (expected 1..4)")
     r.end()
     return entry
-
-
-def close_message(session_id: bytes, epoch: int) -> bytes:
-    """What a proposer signs to close a session."""
-    return Writer("session-close").raw(session_id, 16).u64(epoch).bytes()
 
 
 def short(session_id: bytes) -> str:

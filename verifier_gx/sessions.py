@@ -55,6 +55,7 @@ from muser.records import (
     RoundResult,
     SessionOpen,
     Signed,
+    close_message,
     sha256,
     state_digest,
     transcript_digest,
@@ -290,7 +291,7 @@ class SessionManager:
         state = self.state(session_id)
         async with self._lock(session_id):
             public = self._proposer_key(state.open.proposer_key_id)
-            keys.verify(public, journal.close_message(session_id, epoch), signature, "close")
+            keys.verify(public, close_message(session_id, epoch), signature, "close")
             self.check_epoch(state, epoch)
             entry = journal.CloseEntry(session_id)
             await self.log.append_async(journal.encode(entry))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import pytest_asyncio
@@ -83,6 +85,12 @@ async def test_generate_equals_the_local_lane_and_offsets_are_contiguous(cluster
     offsets = [e.offset for e in events]
     assert offsets == [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]
     assert events[-1].done and events[-1].stats_json
+    sid = events[0].session_id
+    for _ in range(200):  # the runner closes the session on the verifier after its last event
+        if sid in cluster.verifier.manager.replay.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert sid in cluster.verifier.manager.replay.closed
 
 
 @pytest.mark.asyncio

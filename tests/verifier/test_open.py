@@ -8,11 +8,10 @@ import dataclasses
 import grpc
 import pytest
 
-from muser.records import sha256, tokens_bytes
+from muser.records import close_message, sha256, tokens_bytes
 from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2 as pb
 from tests.verifier.conftest import CaptureBackend, Verifier, make_config
-from verifier_gx.journal import close_message
 
 pytestmark = pytest.mark.asyncio
 
