@@ -8,6 +8,7 @@ daemons are started once and stopped when the harness exits (also on Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -66,13 +67,7 @@ def cluster_lanes(
 
 def _lane(stream_generate, address: str, params: SamplingParams) -> LaneFn:
     def run(prompt: list[int], max_tokens: int) -> Sample:
-        p = SamplingParams(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            max_tokens=max_tokens,
-            seed=params.seed,
-        )
+        p = dataclasses.replace(params, max_tokens=max_tokens)
         start = time.perf_counter()
         r = stream_generate(address, prompt, p)
         wall = time.perf_counter() - start

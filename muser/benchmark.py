@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from muser.sampling import SamplingParams
@@ -46,13 +46,7 @@ def _ours(kind: str, target, draft, params: SamplingParams, draft_len: int, q_to
     from verifier_gx.plain import run_plain
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
-        p = SamplingParams(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            max_tokens=max_tokens,
-            seed=params.seed,
-        )
+        p = replace(params, max_tokens=max_tokens)
         target.reset()
         if kind == "plain":
             r = run_plain(target, prompt, p)

@@ -64,7 +64,8 @@ class RoundStream:
         self.queue.put_nowait(
             pb.ProposerMessage(attach=pb.Attach(session_id=session_id, epoch=epoch))
         )
-        self.captured: dict[bytes, bytes] = {}
+        self.captured_bytes = 0
+        """Capture-row fragment bytes received (hash-checked; no consumer keeps them yet)."""
 
     async def _requests(self):
         while True:
@@ -100,7 +101,7 @@ class RoundStream:
                         "fragment_hash_mismatch",
                         "a capture fragment does not hash to its digest",
                     )
-                self.captured[msg.fragment.digest] = msg.fragment.data
+                self.captured_bytes += len(msg.fragment.data)
             elif kind == "result":
                 return convert.result_from_pb(msg.result), msg.result
             elif kind == "error":

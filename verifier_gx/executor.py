@@ -18,10 +18,6 @@ class TargetExecutor:
     def __init__(self, backend: ModelBackend) -> None:
         self.cursor = KvCursor(backend)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.cursor.backend.vocab_size
-
     def witness_logits(self, transcript: Sequence[int], drafts: Sequence[int]) -> np.ndarray:
         """Raw logits (D+1, V) for [frontier, *drafts] after transcript[:-1]."""
         self.cursor.hold(transcript[:-1])
