@@ -2,13 +2,15 @@
 
 One verifier serves every lane; each injected delay gets its own proposer daemon whose
 verifier address is a `TcpProxy` adding half the round-trip delay in each direction. The
-daemons are started once and stopped when the harness exits (also on Ctrl-C).
+daemons are started once and stopped when the harness exits (also on Ctrl-C). The lane is
+qualified for real (`muser qualify`) once per run, before the verifier starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +32,14 @@ def cluster_lanes(
     from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import free_port, init_cluster
+    from muser.cli.qualify import qualify
     from muser.netproxy import TcpProxy
     from muser.procs import Daemon
 
     with tempfile.TemporaryDirectory(prefix="muser-bench-") as tmp, contextlib.ExitStack() as stack:
         base = init_cluster(Path(tmp), target=target_dir, draft=draft_dir, draft_len=draft_len)
         config = load_config(base)
+        qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
         verifier = Daemon("verifier", base, Path(tmp))
         verifier.start()
         stack.callback(verifier.stop)
@@ -48,6 +52,7 @@ def cluster_lanes(
                 f'address = "{config.proposer.address}"', f'address = "{proposer_addr}"'
             )
             text = text.replace('wal_dir = "wal/proposer"', f'wal_dir = "wal/proposer-{delay:g}ms"')
+            text = text.replace(f'http = "{config.proposer.http}"\n', "")  # one proposer per RTT
             if delay > 0:
                 proxy = TcpProxy((host, int(port)), delay_s=delay / 2000)
                 proxy.start()

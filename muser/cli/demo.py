@@ -1,9 +1,10 @@
 """`muser demo`: the README's first command.
 
 Builds (or reuses) the fixtures, writes a throwaway cluster (keys, config) in a temporary
-directory, starts the verifier and the proposer daemons on loopback, streams a few natural
-prompts with the text appearing as rounds commit, measures plain target decode on the same
-prompts, prints a table, and shuts everything down — also on Ctrl-C.
+directory, qualifies its lane against plain decode (`muser qualify`: the verifier refuses
+an unqualified lane), starts the verifier and the proposer daemons on loopback, streams a few
+natural prompts with the text appearing as rounds commit, measures plain target decode on the
+same prompts, prints a table, and shuts everything down — also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
 
     from transformers import AutoTokenizer
 
+    from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import init_cluster
+    from muser.cli.qualify import qualify
     from muser.fixtures import natural_prompts
     from muser.procs import Daemon
     from muser.sampling import SamplingParams
@@ -61,6 +64,14 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
     config = init_cluster(
         workdir, target=target_dir, draft=draft_dir, draft_len=args.draft_len, force=True
     )
+    say(f"qualify: the lane against plain decode, then a signed receipt in {workdir}")
+    receipt = qualify(load_config(config), progress=True)
+    e = receipt.evidence
+    print(
+        f"qualified: {e.prompts} prompts x {e.tokens_per_prompt} greedy tokens identical, "
+        f"acceptance {e.acceptance:.3f}",
+        file=sys.stderr,
+    )
     daemons = [Daemon("verifier", config, workdir), Daemon("proposer", config, workdir)]
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     rows = []
@@ -68,8 +79,6 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
         for daemon in daemons:
             say(f"starting the {daemon.role} daemon (log: {daemon.log_path})")
             daemon.start()
-        from cluster_config import load_config
-
         address = load_config(config).proposer.address
         target = load_target_backend("torch", target_dir)
         for i, text in enumerate(natural_prompts(args.prompts)):

@@ -41,11 +41,13 @@ def fixture_pair():
 
 def make_cluster(directory: Path, pair, *, draft_len: int = 4, edit=None) -> Cluster:
     from muser.cli.config import init_cluster
+    from tests.qualify.receipts import qualified_receipt
 
     path = init_cluster(directory, target=pair.target, draft=pair.draft, draft_len=draft_len)
     if edit is not None:
         path.write_text(edit(path.read_text()))
     config = load_config(path)
+    qualified_receipt(config)  # one real qualification per lane, signed for each cluster's key
     return Cluster(
         directory,
         path,

@@ -103,7 +103,9 @@ class Verifier:
 
     async def start(self) -> Verifier:
         self.backend = self.backend_factory()
-        self.server, self.port = create_server(self.config, backend=self.backend)
+        self.server, self.port = create_server(
+            self.config, backend=self.backend, unqualified="fake or tiny random target"
+        )
         await self.server.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.VerifierStub(self.channel)
