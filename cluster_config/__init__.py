@@ -1,5 +1,5 @@
-"""The cluster file (`cluster.toml`): schema, loading, key enrolment, refusal rules."""
+"""The cluster file (`cluster.toml`): schema, loading, key enrolment, TLS, refusal rules."""
 
-from cluster_config.schema import ClusterConfig, load_config
+from cluster_config.schema import ClusterConfig, ConfigError, Tls, load_config
 
-__all__ = ["ClusterConfig", "load_config"]
+__all__ = ["ClusterConfig", "ConfigError", "Tls", "load_config"]

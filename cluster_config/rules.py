@@ -1,18 +1,190 @@
-"""Refusal rules checked by `muser config check` and again when a daemon starts.
+"""Refusal rules checked by `muser config check` and again when a daemon starts (§7).
 
-Each rule raises `ConfigError` with a message that tells the operator what to change.
-Only cheap checks live here (files, keys, addresses); model-level checks (tokenizer
-digests) run where the models are loaded.
+`check_rules` runs `RULES` in order; each is a small named function that raises
+`ConfigError` with a message telling the operator what to change. A rule reads files (keys,
+certificates, checkpoint metadata and tokenizer files) but never loads weights.
+
+A daemon checks with its `role`: it needs its own private keys, not the other node's, which
+may live on another machine. `muser config check` without `--role` checks everything.
 """
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
-from cluster_config.schema import ClusterConfig, ConfigError
+from cluster_config.schema import TLS_ROLES, ClusterConfig, ConfigError
+from muser.errors import MuserError
+
+Role = Literal["verifier", "proposer"]
+Rule = Callable[[ClusterConfig, frozenset[str]], None]
+NODES = ("verifier", "proposer")
 
 
-def _keys_match(private: Path, public: Path, role: str) -> str:
+def _scope(role: Role | None) -> frozenset[str]:
+    """Whose private files to check: one node's, or every role's (client included)."""
+    return frozenset(TLS_ROLES if role is None else (role,))
+
+
+# --- addresses -----------------------------------------------------------------------------
+
+
+def _endpoint(address: str) -> str:
+    from muser.tls import host_of
+
+    host, port = host_of(address), address.rpartition(":")[2]
+    return f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
+
+
+def _listeners(config: ClusterConfig) -> list[tuple[str, set[str]]]:
+    """Each server the cluster runs, with the endpoints (address and bind) it occupies."""
+    out = []
+    for role in NODES:
+        node = getattr(config, role)
+        out.append((f"{role}.address", {_endpoint(node.address), _endpoint(node.bind_address)}))
+        http = getattr(node, "http", None)
+        if isinstance(http, str):
+            out.append((f"{role}.http", {_endpoint(http)}))
+    return out
+
+
+def distinct_addresses(config: ClusterConfig, scope: frozenset[str]) -> None:
+    listeners = _listeners(config)
+    for i, (name, endpoints) in enumerate(listeners):
+        for other, other_endpoints in listeners[i + 1 :]:
+            if shared := sorted(endpoints & other_endpoints):
+                raise ConfigError(
+                    f"{name} and {other} both use {shared[0]!r} (addresses and binds "
+                    "compared); give each server its own HOST:PORT"
+                )
+
+
+# --- models --------------------------------------------------------------------------------
+
+
+def _checkpoint_config(model_dir: Path, where: str) -> dict:
+    from muser.identity import read_config
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(
+            f"{where} {model_dir} has no config.json: point it at a Hugging Face checkpoint "
+            "directory (or run `muser fixtures build`)"
+        )
+    try:
+        return read_config(Path(model_dir))
+    except MuserError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def model_directories(config: ClusterConfig, scope: frozenset[str]) -> None:
+    # Each machine needs only its own model: the proposer asks the verifier for the target's
+    # identity when the files are not here (proposer_mac.daemon.ask_target_identity).
+    if "verifier" in scope:
+        _checkpoint_config(config.verifier.target, "verifier.target")
+    if "proposer" in scope:  # the verifier's machine need not hold the draft
+        _checkpoint_config(config.proposer.draft, "proposer.draft")
+
+
+def _tokenizer(model_dir: Path, where: str) -> tuple[str, object]:
+    """(tokenizer digest, vocab size) from the tokenizer files and config.json only."""
+    from muser.identity import TOKENIZER_DOMAIN, _hash_files, _tokenizer_files, config_value
+
+    names = _tokenizer_files(Path(model_dir))
+    if not names:
+        raise ConfigError(
+            f"{where} {model_dir} has no tokenizer files (tokenizer.json, vocab, merges); "
+            "copy the checkpoint's tokenizer there"
+        )
+    vocab = config_value(_checkpoint_config(model_dir, where), "vocab_size")
+    return _hash_files(Path(model_dir), names, TOKENIZER_DOMAIN), vocab
+
+
+def shared_tokenizer(config: ClusterConfig, scope: frozenset[str]) -> None:
+    if "proposer" not in scope:  # the session-open handshake checks it again
+        return
+    if "verifier" not in scope and not (Path(config.verifier.target) / "config.json").is_file():
+        return  # a proposer without the target's files checks the verifier's answer at start
+    target = _tokenizer(config.verifier.target, "verifier.target")
+    draft = _tokenizer(config.proposer.draft, "proposer.draft")
+    if target != draft:
+        raise ConfigError(
+            f"proposer.draft {config.proposer.draft} does not share the target's tokenizer "
+            f"(tokenizer digest {draft[0][:16]}…, vocab {draft[1]}) with verifier.target "
+            f"{config.verifier.target} (tokenizer digest {target[0][:16]}…, vocab {target[1]}): "
+            "use a draft trained with the target's tokenizer"
+        )
+
+
+def capture_layers_exist(config: ClusterConfig, scope: frozenset[str]) -> None:
+    from muser.geometry import read_geometry
+    from verifier_gx.backends import CAPTURE_KINDS
+
+    layers = config.lane.capture_layers
+    if not layers:
+        return
+    if config.verifier.backend not in CAPTURE_KINDS:
+        raise ConfigError(
+            f"lane.capture_layers {layers} needs a target backend that captures hidden rows "
+            f"({', '.join(CAPTURE_KINDS)}), but verifier.backend is "
+            f"{config.verifier.backend!r}: set capture_layers = [] or change the backend"
+        )
+    try:
+        count = read_geometry(config.verifier.target).num_layers
+    except MuserError as exc:
+        raise ConfigError(f"verifier.target: {exc}") from exc
+    bad = [x for x in layers if x >= count]
+    if bad:
+        raise ConfigError(
+            f"lane.capture_layers {layers} names layer {bad[0]}, but verifier.target "
+            f"{config.verifier.target} has {count} decoder layers: use indices in [0, {count})"
+        )
+
+
+def draft_dtype_supported(config: ClusterConfig, scope: frozenset[str]) -> None:
+    p = config.proposer
+    if p.backend == "mlx" and p.dtype != "float32":
+        raise ConfigError(
+            f"proposer.dtype {p.dtype!r} needs proposer.backend 'torch'; the mlx draft runs "
+            'float32: set dtype = "float32" or backend = "torch"'
+        )
+
+
+def devices_available(config: ClusterConfig, scope: frozenset[str]) -> None:
+    """The device each node's config names exists on this machine (nothing is loaded).
+
+    Only a GPU asked for by name is checked: "auto" and "cpu" always resolve."""
+    p, v = config.proposer, config.verifier
+    if "proposer" in scope and p.device == "gpu":
+        if p.backend == "torch":
+            raise ConfigError(
+                "proposer.device 'gpu' applies to the mlx draft; the torch draft runs on CPU: "
+                'set backend = "mlx" (Metal on a Mac) or device = "cpu"'
+            )
+        try:
+            from proposer_mac.backends.mlx_draft import choose_device
+
+            choose_device(p.device)
+        except ImportError as exc:
+            raise ConfigError(
+                f"proposer.device 'gpu' needs the mlx package ({exc}): `pip install -e .`"
+            ) from exc
+        except MuserError as exc:
+            raise ConfigError(str(exc)) from exc
+    if "verifier" in scope and v.backend == "torch" and v.device != "cpu":
+        from verifier_gx.backends.torch_backend import check_device
+
+        try:
+            check_device(v.device)
+        except MuserError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+# --- signing keys and enrolment ------------------------------------------------------------
+
+
+def _keys_match(private: Path, public: Path, role: str) -> None:
     from muser import keys
 
     priv = keys.load_private(private)
@@ -22,38 +194,101 @@ def _keys_match(private: Path, public: Path, role: str) -> str:
             f"{role}.public_key {public} is not the public half of {role}.key {private}; "
             f"regenerate the pair with `muser keygen`"
         )
-    return keys.key_id(pub)
 
 
-def check_rules(config: ClusterConfig) -> None:
+def signing_keys(config: ClusterConfig, scope: frozenset[str]) -> None:
+    for role in NODES:
+        if role in scope:
+            node = getattr(config, role)
+            _keys_match(node.key, node.public_key, role)
+
+
+def enrolment(config: ClusterConfig, scope: frozenset[str]) -> None:
     from muser import keys
 
-    if config.verifier.address == config.proposer.address:
-        raise ConfigError(
-            f"verifier.address and proposer.address are both {config.verifier.address!r}; "
-            "give each node its own HOST:PORT"
-        )
-    for role, node, model_field in (
-        ("verifier", config.verifier, "target"),
-        ("proposer", config.proposer, "draft"),
+    for role, enrolled in (
+        ("verifier", config.enrolment.verifiers),
+        ("proposer", config.enrolment.proposers),
     ):
-        model_dir = getattr(node, model_field)
-        if not (Path(model_dir) / "config.json").is_file():
+        public = getattr(config, role).public_key
+        key_id = keys.key_id(keys.load_public(public))
+        if key_id not in {keys.key_id(keys.load_public(p)) for p in enrolled}:
             raise ConfigError(
-                f"{role}.{model_field} {model_dir} has no config.json: point it at a Hugging "
-                "Face checkpoint directory (or run `muser fixtures build`)"
+                f"the {role}'s key {key_id} is not in enrolment.{role}s; add {public} there"
             )
-    verifier_id = _keys_match(config.verifier.key, config.verifier.public_key, "verifier")
-    proposer_id = _keys_match(config.proposer.key, config.proposer.public_key, "proposer")
-    enrolled_verifiers = {keys.key_id(keys.load_public(p)) for p in config.enrolment.verifiers}
-    enrolled_proposers = {keys.key_id(keys.load_public(p)) for p in config.enrolment.proposers}
-    if verifier_id not in enrolled_verifiers:
+
+
+# --- TLS -------------------------------------------------------------------------------------
+
+
+def _tls_pair(config: ClusterConfig, role: str, ca) -> None:
+    """The role's certificate is signed by the CA, current, and matches its key."""
+    from muser import tls
+
+    pair = config.tls.pair(role)
+    cert = tls.load_cert(pair.cert, f"tls.{role}.cert")
+    key = tls.load_key(pair.key, f"tls.{role}.key")
+    if not tls.signed_by(cert, ca):
         raise ConfigError(
-            f"the verifier's key {verifier_id} is not in enrolment.verifiers; add "
-            f"{config.verifier.public_key} there"
+            f"tls.{role}.cert {pair.cert} is not signed by tls.ca {config.tls.ca}: issue it "
+            "from that CA (`muser keygen --out DIR --tls` writes a matching set)"
         )
-    if proposer_id not in enrolled_proposers:
+    if tls.public_der(key.public_key()) != tls.public_der(cert.public_key()):
         raise ConfigError(
-            f"the proposer's key {proposer_id} is not in enrolment.proposers; add "
-            f"{config.proposer.public_key} there"
+            f"tls.{role}.key {pair.key} is not the key of tls.{role}.cert {pair.cert}; "
+            "give the key the certificate was issued for"
         )
+    now = datetime.datetime.now(datetime.UTC)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise ConfigError(
+            f"tls.{role}.cert {pair.cert} is valid {cert.not_valid_before_utc:%Y-%m-%d} to "
+            f"{cert.not_valid_after_utc:%Y-%m-%d}, not now: issue a new one"
+        )
+    node = getattr(config, role, None)
+    if role in NODES and tls.host_of(node.address) not in tls.subject_names(cert):
+        host = tls.host_of(node.address)
+        raise ConfigError(
+            f"tls.{role}.cert {pair.cert} is not valid for {host!r} ({role}.address); its "
+            f"names are {sorted(tls.subject_names(cert))}: reissue it with `muser keygen "
+            f"--tls --host {host}`"
+        )
+
+
+def tls_files(config: ClusterConfig, scope: frozenset[str]) -> None:
+    from muser import tls
+
+    if config.tls is None:
+        return
+    try:
+        ca = tls.load_cert(config.tls.ca, "tls.ca")
+        for role in TLS_ROLES:
+            if role in scope:
+                _tls_pair(config, role, ca)
+    except tls.TlsError as exc:
+        raise ConfigError(f"{exc}; fix the [tls] section or remove it") from exc
+
+
+RULES: tuple[Rule, ...] = (
+    distinct_addresses,
+    model_directories,
+    shared_tokenizer,
+    capture_layers_exist,
+    draft_dtype_supported,
+    devices_available,
+    signing_keys,
+    enrolment,
+    tls_files,
+)
+
+
+def check_rules(config: ClusterConfig, role: Role | None = None, *, receipt: bool = True) -> None:
+    """Refuse a configuration any rule refuses; `role` limits private files to one node.
+    `receipt=False` skips the lane's qualification receipt (`muser qualify` checks the rest
+    before it writes one)."""
+    scope = _scope(role)
+    for rule in RULES:
+        rule(config, scope)
+    if receipt and "verifier" in scope:  # last: it digests both checkpoints (DESIGN.md §7)
+        from cluster_config.qualification import require_receipt
+
+        require_receipt(config)

@@ -10,7 +10,14 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from muser.errors import RefusedError
 
@@ -32,6 +39,23 @@ def _check_address(value: str | None) -> str | None:
     return value
 
 
+TARGET_BACKENDS = ("torch", "vllm")
+
+
+def _check_target_backend(value: object) -> object:
+    """The verifier judges drafts against full target rows; refuse a draft-only backend."""
+    if value not in TARGET_BACKENDS:
+        raise ValueError(
+            f"the verifier needs a backend producing full probability rows "
+            f"({' or '.join(map(repr, TARGET_BACKENDS))}), got {value!r}; mlx is a draft "
+            "backend: set it as proposer.backend"
+        )
+    return value
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
 class VerifierNode(_Strict):
     address: str = Field(description="HOST:PORT proposers reach the verifier at.")
     bind: str | None = Field(
@@ -39,15 +63,28 @@ class VerifierNode(_Strict):
     )
     key: Path = Field(description="The verifier's Ed25519 private key (PEM, 0600).")
     public_key: Path = Field(description="Its public key; proposers enrol it.")
-    wal_dir: Path = Field(description="Commit WAL and fragment store directory.")
+    wal_dir: Path = Field(description="Commit WAL directory (the log lives in WAL_DIR/commit).")
+    fragments_dir: Path | None = Field(
+        None, description="Fragment store directory (default: WAL_DIR/fragments)."
+    )
     target: Path = Field(description="Target checkpoint directory (Hugging Face format).")
-    backend: Literal["torch"] = Field("torch", description="Target backend producing full rows.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    backend: Literal["torch", "vllm"] = Field(
+        "torch", description="Target backend; it must produce full probability rows."
+    )
+    dtype: Dtype = Field(
         "float32", description="Target weights dtype; rows are always float64 on the host."
     )
     device: str = Field("cpu", description="torch device for the target (cpu, cuda, cuda:1).")
+    http: str | None = Field(
+        None, description="HOST:PORT of the verifier's HTTP server: GET /metrics (default: none)."
+    )
 
-    _addr = field_validator("address", "bind")(_check_address)
+    _addr = field_validator("address", "bind", "http")(_check_address)
+    _backend = field_validator("backend", mode="before")(_check_target_backend)
+
+    @property
+    def fragment_dir(self) -> Path:
+        return self.fragments_dir or Path(self.wal_dir) / "fragments"
 
     @property
     def bind_address(self) -> str:
@@ -64,11 +101,19 @@ class ProposerNode(_Strict):
     wal_dir: Path = Field(description="Session journal directory (PREPARED/COMMITTED).")
     draft: Path = Field(description="Draft checkpoint directory (same tokenizer as the target).")
     backend: Literal["torch", "mlx"] = Field("torch", description="Draft backend.")
+    dtype: Dtype = Field(
+        "float32", description="Draft weights dtype (torch backend; mlx runs float32)."
+    )
     device: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="mlx device: auto picks Metal when available, else CPU."
     )
+    http: str | None = Field(
+        None,
+        description="HOST:PORT of the OpenAI-compatible HTTP API and GET /metrics "
+        "(default: not served).",
+    )
 
-    _addr = field_validator("address", "bind")(_check_address)
+    _addr = field_validator("address", "bind", "http")(_check_address)
 
     @property
     def bind_address(self) -> str:
@@ -76,11 +121,56 @@ class ProposerNode(_Strict):
 
 
 class Lane(_Strict):
-    draft_len: int = Field(4, ge=0, le=64, description="Drafts per round D.")
+    draft_len: int = Field(4, ge=0, le=64, description="Drafts per round D a session starts at.")
+    draft_len_min: int = Field(
+        None, ge=0, le=64, description="Smallest D a session may use (default: draft_len)."
+    )
+    draft_len_max: int = Field(
+        None, ge=0, le=64, description="Largest D a session may use (default: draft_len)."
+    )
     q_top_k: int = Field(32, ge=1, le=4096, description="Sparse draft row width.")
     capture_layers: list[int] = Field(
-        default_factory=list, description="Target layers whose hidden rows results attach."
+        default_factory=list,
+        description="Target decoder layers (0-based) whose hidden rows results attach.",
     )
+    receipt: Path = Field(
+        Path("qualification.json"),
+        description="The lane's qualification receipt (`muser qualify` writes it; the verifier "
+        "refuses to serve without a matching one). Default: beside the cluster file.",
+    )
+    acceptance_floor: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="Least acceptance on natural prompts that qualifies the lane (the fixture "
+        "pair measures about 0.48 at D=4).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _range_defaults_to_draft_len(cls, data: object) -> object:
+        """An unset bound pins D there: a lane without a range runs at a fixed D."""
+        d = data.get("draft_len", 4) if isinstance(data, dict) else None
+        if isinstance(d, int) and 0 <= d <= 64:  # else draft_len's own error is the message
+            data = {"draft_len_min": d, "draft_len_max": d, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _draft_len_in_range(self) -> Lane:
+        lo, d, hi = self.draft_len_min, self.draft_len, self.draft_len_max
+        if not lo <= d <= hi:
+            raise ValueError(
+                f"expected draft_len_min <= draft_len <= draft_len_max, got {lo} <= {d} <= {hi}"
+            )
+        return self
+
+    @field_validator("capture_layers")
+    @classmethod
+    def _distinct_layers(cls, layers: list[int]) -> list[int]:
+        bad = [x for x in layers if x < 0]
+        if bad or len(set(layers)) != len(layers):
+            raise ValueError(f"expected distinct layer indices >= 0, got {layers!r}")
+        return layers
 
 
 class Enrolment(_Strict):
@@ -96,37 +186,97 @@ class Limits(_Strict):
     max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a session may ask for.")
 
 
+TLS_ROLES = ("verifier", "proposer", "client")
+
+
+class TlsPair(_Strict):
+    cert: Path = Field(description="PEM certificate, signed by tls.ca.")
+    key: Path = Field(description="PEM private key of that certificate (0600).")
+
+
+class Tls(_Strict):
+    """Mutual TLS under one cluster CA; absent, every channel is insecure (loopback only)."""
+
+    ca: Path = Field(
+        description="PEM certificate of the cluster CA; every server requires a client "
+        "certificate it signed, every client checks the server's against it."
+    )
+    verifier: TlsPair = Field(description="What the verifier's server presents.")
+    proposer: TlsPair = Field(
+        description="What the proposer presents: as its clients' server and as the verifier's "
+        "client (serverAuth and clientAuth)."
+    )
+    client: TlsPair = Field(
+        description="What `muser status` and `muser generate --lane cluster` present."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_or_nothing(cls, data: object) -> object:
+        """Half-configured TLS would fail at the first handshake; name every missing file."""
+        if not isinstance(data, dict):
+            return data
+        missing = [] if "ca" in data else ["tls.ca"]
+        for role in TLS_ROLES:
+            pair = data.get(role)
+            if pair is None:
+                missing.append(f"tls.{role}")
+            elif isinstance(pair, dict):
+                missing += [f"tls.{role}.{f}" for f in ("cert", "key") if f not in pair]
+        if missing:
+            raise ValueError(
+                f"TLS is half-configured, missing {', '.join(missing)}: give tls.ca and a "
+                "cert and key for each of verifier, proposer and client (`muser keygen --out "
+                "DIR --tls` writes them all), or remove the [tls] section to run insecure on "
+                "loopback"
+            )
+        return data
+
+    def pair(self, role: str) -> TlsPair:
+        return getattr(self, role)
+
+
 class ClusterConfig(_Strict):
-    verifier: VerifierNode
-    proposer: ProposerNode
-    lane: Lane = Lane()
-    enrolment: Enrolment
-    limits: Limits = Limits()
+    verifier: VerifierNode = Field(description="The verifier node (target, commit WAL).")
+    proposer: ProposerNode = Field(description="The proposer node (draft, session journal).")
+    lane: Lane = Field(default_factory=Lane, description="Round geometry of the linear lane.")
+    enrolment: Enrolment = Field(description="Public keys each side accepts signatures from.")
+    limits: Limits = Field(default_factory=Limits, description="Resource limits.")
+    tls: Tls | None = Field(None, description="Mutual TLS on every channel (default: none).")
     path: Path | None = Field(None, exclude=True, description="Where this file was read from.")
 
 
+PATH_KEYS = {
+    "key",
+    "public_key",
+    "wal_dir",
+    "fragments_dir",
+    "target",
+    "draft",
+    "ca",
+    "cert",
+    "receipt",
+}
+PATH_LIST_KEYS = {"verifiers", "proposers"}
+
+
+def _absolute(value: object, base: Path) -> object:
+    if not isinstance(value, str):
+        return value  # the schema quotes the wrong type
+    return str((base / Path(value).expanduser()).resolve())
+
+
 def _resolve(raw: dict, base: Path) -> dict:
-    """Resolve relative paths of path-typed fields against the config file's folder."""
+    """Resolve relative paths of path-typed fields (at any depth) against the file's folder."""
     out = {}
-    for section, fields in raw.items():
-        if not isinstance(fields, dict):
-            out[section] = fields
-            continue
-        resolved = {}
-        for key, value in fields.items():
-            if key in {"key", "public_key", "wal_dir", "target", "draft"} and isinstance(
-                value, str
-            ):
-                value = str((base / value).resolve()) if not Path(value).is_absolute() else value
-            elif key in {"verifiers", "proposers"} and isinstance(value, list):
-                value = [
-                    str((base / v).resolve())
-                    if isinstance(v, str) and not Path(v).is_absolute()
-                    else v
-                    for v in value
-                ]
-            resolved[key] = value
-        out[section] = resolved
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            value = _resolve(value, base)
+        elif key in PATH_KEYS:
+            value = _absolute(value, base)
+        elif key in PATH_LIST_KEYS and isinstance(value, list):
+            value = [_absolute(v, base) for v in value]
+        out[key] = value
     return out
 
 
@@ -147,4 +297,7 @@ def load_config(path: str | Path) -> ClusterConfig:
             got = err.get("input")
             problems.append(f"{where}: {err['msg']} (got {got!r})")
         raise ConfigError(f"{path}: " + "; ".join(problems)) from exc
+    if not cfg.lane.receipt.is_absolute():  # the default, also beside this file
+        lane = cfg.lane.model_copy(update={"receipt": path.parent.resolve() / cfg.lane.receipt})
+        cfg = cfg.model_copy(update={"lane": lane})
     return cfg.model_copy(update={"path": path.resolve()})

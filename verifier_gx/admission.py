@@ -40,8 +40,19 @@ from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import SessionState
 
 
-def check_identities(o: SessionOpen, target: ModelIdentity) -> None:
-    """Target identity must be the loaded target's; the draft must share its tokenizer."""
+def check_identities(
+    o: SessionOpen, target: ModelIdentity, qualified_draft: tuple[str, str] | None = None
+) -> None:
+    """Target identity must be the loaded target's; the draft must share its tokenizer and,
+    when the lane's receipt names one (`(model digest, tokenizer digest)`), be that draft."""
+    if qualified_draft is not None and (
+        o.draft.model_digest,
+        o.draft.tokenizer_digest,
+    ) != tuple(qualified_draft):
+        raise ModelMismatchError(
+            f"draft model digest {o.draft.model_digest!r} is not the draft this lane was "
+            f"qualified with: {qualified_draft[0]!r} (run `muser qualify` for the new draft)"
+        )
     pairs = [
         ("target model digest", o.target.model_digest, target.model_digest),
         ("target tokenizer digest", o.target.tokenizer_digest, target.tokenizer_digest),

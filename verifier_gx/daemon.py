@@ -24,9 +24,11 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster_config import qualification
 from cluster_config.schema import ClusterConfig, ConfigError
-from muser import keys
+from muser import keys, tls
 from muser.backend import ModelBackend
+from muser.errors import RefusedError
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from verifier_gx.servicer import VerifierServicer
 from verifier_gx.sessions import SessionManager
@@ -110,11 +112,22 @@ def create_server(
     *,
     backend: ModelBackend | None = None,
     clock: Callable[[], float] = time.monotonic,
+    unqualified: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Recover the commit log and build the (not yet started) server bound to
     verifier.bind_address (default: verifier.address); returns it and the bound port.
-    Call from inside the event loop that will run it."""
+    Call from inside the event loop that will run it.
+
+    A lane without a matching qualification receipt (lane.receipt) is refused with
+    QualificationError before the target loads and before the port is bound (DESIGN.md §7).
+    `unqualified="why"` skips that check, logged as a warning: tests that drive a fake or
+    tiny random target pass it; `serve` never does."""
     private, proposers = load_keys(config)
+    qualified_draft = None
+    if unqualified is None:
+        qualified_draft = _qualified_draft(config)
+    else:
+        log.warning("serving an UNQUALIFIED lane (no receipt checked): %s", unqualified)
     if backend is None:
         from verifier_gx.backends import load_target_backend
 
@@ -133,7 +146,9 @@ def create_server(
             proposer_keys=proposers,
             limits=config.limits,
             clock=clock,
+            qualified_draft=qualified_draft,
         )
+        commit_log.on_fsync = manager.stats.observe_fsync
         size = config.limits.max_message_bytes
         inner = grpc.aio.server(
             options=[
@@ -148,7 +163,7 @@ def create_server(
         pb_grpc.add_VerifierServicer_to_server(servicer, inner)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inner)
         try:
-            port = inner.add_insecure_port(config.verifier.bind_address)
+            port = tls.add_port(inner, config.verifier.bind_address, config.tls, "verifier")
         except RuntimeError as exc:
             raise ConfigError(
                 f"cannot bind verifier.bind_address {config.verifier.bind_address!r}: {exc}"
@@ -166,10 +181,31 @@ def create_server(
     return server, port
 
 
+def _qualified_draft(config: ClusterConfig) -> tuple[str, str] | None:
+    """The (model, tokenizer) digests of the draft the lane's receipt qualified; refuses
+    (QualificationError) without a matching receipt."""
+    draft = qualification.require_receipt(config).binding.draft
+    return draft.model_digest, draft.tokenizer_digest
+
+
 async def _serve(config: ClusterConfig) -> None:
     server, port = create_server(config)
     await server.start()
     host = config.verifier.bind_address.rpartition(":")[0]
+    http = None
+    if config.verifier.http:
+        from muser.metrics import serve_metrics
+        from verifier_gx.servicer import metrics_view
+
+        try:
+            http, http_port = await serve_metrics(
+                config.verifier.http, lambda: metrics_view(server.manager)
+            )
+        except RefusedError as exc:
+            await server.stop(None)
+            raise ConfigError(f"verifier.http: {exc}") from exc
+        http_host = config.verifier.http.rpartition(":")[0]
+        print(f"verifier metrics on http://{http_host}:{http_port}/metrics", file=sys.stderr)
     print(f"verifier listening on {host}:{port} key={server.key_id}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -177,6 +213,8 @@ async def _serve(config: ClusterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received; stopping")
+    if http is not None:
+        await http.cleanup()
     await server.stop(5.0)
 
 

@@ -29,10 +29,13 @@ def stream_generate(
     on_event=None,
     reconnect_s: float = 120.0,
     max_message_bytes: int = 8 * 1024 * 1024,
+    tls=None,
 ) -> dict:
-    """Generate through the proposer at `address`; returns the --json object of the lane."""
+    """Generate through the proposer at `address`; returns the --json object of the lane.
+    `tls` is the cluster's [tls] section (None: an insecure channel, for loopback)."""
     import grpc
 
+    from muser.tls import open_channel
     from muser.wire import convert
     from muser.wire import muser_v2_pb2 as pb
     from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -54,7 +57,7 @@ def stream_generate(
     deadline = None
     backoff = 0.05
     start = time.perf_counter()
-    with grpc.insecure_channel(address, options=options) as channel:
+    with open_channel(address, tls, "client", options=options) as channel:
         stub = pb_grpc.ProposerStub(channel)
         while True:
             request = pb.GenerateRequest(params=convert.params_to_pb(params), draft_len=draft_len)
@@ -133,6 +136,7 @@ def generate_cluster(args: argparse.Namespace, params: SamplingParams, text: str
         draft_len=args.draft_len,
         on_event=None if args.json else show,
         max_message_bytes=config.limits.max_message_bytes,
+        tls=config.tls,
     )
     if args.json:
         print(json.dumps(result))

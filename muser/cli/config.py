@@ -13,6 +13,7 @@ TEMPLATE = """\
 
 [verifier]
 address = "127.0.0.1:{verifier_port}"
+http = "127.0.0.1:{verifier_http_port}"
 key = "keys/verifier.key"
 public_key = "keys/verifier.pub"
 wal_dir = "wal/verifier"
@@ -21,6 +22,7 @@ backend = "torch"
 
 [proposer]
 address = "127.0.0.1:{proposer_port}"
+http = "127.0.0.1:{http_port}"
 key = "keys/proposer.key"
 public_key = "keys/proposer.pub"
 wal_dir = "wal/proposer"
@@ -29,7 +31,11 @@ backend = "{draft_backend}"
 
 [lane]
 draft_len = {draft_len}
+# draft_len_min / draft_len_max: the range D may move in (default: fixed at draft_len)
 q_top_k = 32
+# `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
+receipt = "qualification.json"
+acceptance_floor = 0.25
 
 [enrolment]
 verifiers = ["keys/verifier.pub"]
@@ -39,6 +45,25 @@ proposers = ["keys/proposer.pub"]
 max_sessions = 64
 max_message_bytes = 8388608
 max_tokens = 4096
+"""
+
+TLS_SECTION = """
+# Mutual TLS under the cluster CA in keys/tls (`muser keygen --out keys --tls`): each server
+# requires a client certificate signed by tls.ca. Remove all of [tls] to run insecure.
+[tls]
+ca = "keys/tls/ca.pem"
+
+[tls.verifier]
+cert = "keys/tls/verifier.pem"
+key = "keys/tls/verifier.key"
+
+[tls.proposer]
+cert = "keys/tls/proposer.pem"
+key = "keys/tls/proposer.key"
+
+[tls.client]
+cert = "keys/tls/client.pem"
+key = "keys/tls/client.key"
 """
 
 
@@ -52,13 +77,21 @@ def register(sub, name: str, help_text: str) -> None:
     init.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
     init.add_argument("--draft-len", type=int, default=4)
     init.add_argument("--force", action="store_true", help="overwrite an existing cluster.toml")
+    init.add_argument(
+        "--tls", action="store_true", help="also write a CA, certificates and the [tls] section"
+    )
     init.set_defaults(func=run_init)
     check = actions.add_parser("check", help="validate a cluster file (exit 0 ok, 2 refused)")
     check.add_argument("config", type=Path)
+    check.add_argument(
+        "--role",
+        choices=["verifier", "proposer"],
+        help="check only what this node's daemon needs (its own private keys); default: all",
+    )
     check.set_defaults(func=run_check)
-    show = actions.add_parser("show", help="print the resolved configuration")
+    show = actions.add_parser("show", help="print the resolved configuration (paths absolute)")
     show.add_argument("config", type=Path)
-    show.add_argument("--json", action="store_true")
+    show.add_argument("--json", action="store_true", help="one JSON object instead of TOML")
     show.set_defaults(func=run_show)
 
 
@@ -76,6 +109,7 @@ def init_cluster(
     draft_backend: str = "torch",
     draft_len: int = 4,
     force: bool = False,
+    tls: bool = False,
 ) -> Path:
     from muser.cli.keygen import write_keys
     from muser.errors import RefusedError
@@ -90,10 +124,16 @@ def init_cluster(
         target, draft = target or fixture_target, draft or fixture_draft
     directory.mkdir(parents=True, exist_ok=True)
     write_keys(directory / "keys", ["verifier", "proposer"], force=True)
+    if tls:
+        from muser.tls import write_tls
+
+        write_tls(directory / "keys" / "tls", ["verifier", "proposer"], force=True)
     path.write_text(
-        TEMPLATE.format(
+        (TEMPLATE + (TLS_SECTION if tls else "")).format(
             verifier_port=free_port(),
+            verifier_http_port=free_port(),
             proposer_port=free_port(),
+            http_port=free_port(),
             target=Path(target).resolve(),
             draft=Path(draft).resolve(),
             draft_backend=draft_backend,
@@ -111,8 +151,10 @@ def run_init(args: argparse.Namespace) -> int:
         draft_backend=args.draft_backend,
         draft_len=args.draft_len,
         force=args.force,
+        tls=args.tls,
     )
     print(f"wrote {path}")
+    print(f"  muser qualify --config {path}")
     print(f"  muser verifier serve --config {path}")
     print(f"  muser proposer serve --config {path}")
     print(f"  muser status --config {path} --wait 60")
@@ -123,14 +165,39 @@ def run_check(args: argparse.Namespace) -> int:
     from cluster_config import load_config
     from cluster_config.rules import check_rules
 
-    check_rules(load_config(args.config))
-    print(f"{args.config}: ok")
+    check_rules(load_config(args.config), role=args.role)
+    print(f"{args.config}: ok" + (f" for the {args.role}" if args.role else ""))
     return 0
+
+
+def resolved(config) -> dict:
+    """The configuration as the daemons use it: defaults filled in, paths absolute."""
+    out = config.model_dump(mode="json")
+    out["verifier"]["fragments_dir"] = str(config.verifier.fragment_dir)
+    for role in ("verifier", "proposer"):
+        out[role]["bind"] = getattr(config, role).bind_address
+    return out
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings, numbers and booleans read back as TOML
+
+
+def to_toml(data: dict, prefix: str = "") -> str:
+    """TOML for `config show`: scalars first, then each table; unset (None) values omitted."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict | None)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            lines += ["", f"[{name}]", to_toml(value, f"{name}.")]
+    return "\n".join(lines).strip("\n")
 
 
 def run_show(args: argparse.Namespace) -> int:
     from cluster_config import load_config
 
-    cfg = load_config(args.config).model_dump(mode="json")
-    print(json.dumps(cfg, indent=None if args.json else 2))
+    data = resolved(load_config(args.config))
+    print(json.dumps(data) if args.json else to_toml(data))
     return 0

@@ -1,4 +1,9 @@
-"""`muser keygen --out DIR [--name NAME]`: an Ed25519 key pair (PEM; private key 0600)."""
+"""`muser keygen --out DIR [--name NAME] [--tls [--host H]]`: the cluster's key material.
+
+Ed25519 key pairs sign round requests and results (PEM; private keys 0600). With `--tls`,
+also a cluster CA and ECDSA P-256 certificates under DIR/tls (see muser.tls): one per name
+plus a `client` certificate for the CLI, valid for loopback and every `--host`.
+"""
 
 from __future__ import annotations
 
@@ -17,19 +22,38 @@ def register(sub, name: str, help_text: str) -> None:
         help="key pair name (repeatable; default: verifier and proposer)",
     )
     p.add_argument("--force", action="store_true", help="overwrite existing key files")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="also write a CA and TLS certificates under DIR/tls (mutual TLS)",
+    )
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="DNS name or IP the server certificates are also valid for (repeatable; "
+        "127.0.0.1, ::1 and localhost always are)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
-def write_keys(out: Path, names: list[str], force: bool = False) -> dict[str, dict]:
-    from muser import keys
+def refuse_taken(paths: list[Path], force: bool) -> None:
+    """Checked before anything is written, so a refusal leaves no half-written set."""
     from muser.errors import RefusedError
 
+    taken = [p for p in paths if p.exists()]
+    if taken and not force:
+        raise RefusedError(f"{taken[0]} exists; pass --force to overwrite it")
+
+
+def write_keys(out: Path, names: list[str], force: bool = False) -> dict[str, dict]:
+    from muser import keys
+
+    refuse_taken([out / f"{n}.key" for n in names], force)
     written = {}
     for name in names:
         private_path, public_path = out / f"{name}.key", out / f"{name}.pub"
-        if private_path.exists() and not force:
-            raise RefusedError(f"{private_path} exists; pass --force to overwrite it")
         key = keys.generate()
         keys.write_keypair(key, private_path, public_path)
         written[name] = {
@@ -41,10 +65,26 @@ def write_keys(out: Path, names: list[str], force: bool = False) -> dict[str, di
 
 
 def run(args: argparse.Namespace) -> int:
-    written = write_keys(args.out, args.name or ["verifier", "proposer"], args.force)
+    from muser.errors import RefusedError
+
+    names = args.name or ["verifier", "proposer"]
+    if args.host and not args.tls:
+        raise RefusedError("--host names TLS certificate hosts; add --tls")
+    if args.tls and "client" in names:
+        raise RefusedError("--name client is reserved for the CLI's TLS certificate")
+    tls_written = {}
+    if args.tls:
+        from muser.tls import private_paths, write_tls
+
+        refuse_taken([args.out / f"{n}.key" for n in names], args.force)
+        refuse_taken(private_paths(args.out / "tls", names), args.force)
+        tls_written = write_tls(args.out / "tls", names, args.host, force=args.force)
+    written = write_keys(args.out, names, args.force)
     if args.json:
-        print(json.dumps(written))
-    else:
-        for name, info in written.items():
-            print(f"{name}: {info['private']} (public {info['public']}, key id {info['key_id']})")
+        print(json.dumps({**written, "tls": tls_written} if args.tls else written))
+        return 0
+    for name, info in written.items():
+        print(f"{name}: {info['private']} (public {info['public']}, key id {info['key_id']})")
+    for name, info in tls_written.items():
+        print(f"tls {name}: {info['cert']} (key {info['key']})")
     return 0

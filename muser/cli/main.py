@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("muser.cli.generate", "generate text (lanes: plain, local, cluster)"),
     "keygen": ("muser.cli.keygen", "write Ed25519 key pairs"),
     "config": ("muser.cli.config", "write, check and show the cluster file"),
+    "qualify": ("muser.cli.qualify", "qualify the lane against plain decode; sign a receipt"),
     "verifier": ("muser.cli.verifier", "the verifier daemon (target, commit WAL, signatures)"),
     "proposer": ("muser.cli.proposer", "the proposer daemon (draft, journal, client API)"),
     "status": ("muser.cli.status", "health and statistics of both daemons"),

@@ -26,7 +26,7 @@ def cluster_file(tmp_path, models):
     return init_cluster(tmp_path / "c", target=models[0], draft=models[1])
 
 
-def test_init_writes_a_config_that_checks(cluster_file, capsys):
+def test_init_writes_a_config_that_checks(cluster_file, unqualified, capsys):
     cfg = load_config(cluster_file)
     check_rules(cfg)
     assert cfg.verifier.address != cfg.proposer.address
@@ -71,7 +71,7 @@ def test_out_of_range_value_is_quoted(cluster_file):
 def test_two_nodes_on_one_address_refused(cluster_file):
     cfg = load_config(cluster_file)
     edit(cluster_file, cfg.proposer.address, cfg.verifier.address)
-    with pytest.raises(ConfigError, match="both .* give each node its own"):
+    with pytest.raises(ConfigError, match="both use .* give each server its own"):
         check_rules(load_config(cluster_file))
 
 

@@ -35,6 +35,12 @@ sys.path.insert(0, {repo!r})
 import verifier_gx.backends
 from tests.core.fake_backend import FakeBackend
 verifier_gx.backends.load_target_backend = lambda kind, path, **opts: FakeBackend()
+import cluster_config.qualification  # the fake target has no checkpoint to qualify
+cluster_config.qualification.require_receipt = lambda config: None
+import verifier_gx.daemon  # so no receipt names a qualified draft either
+verifier_gx.daemon._qualified_draft = lambda config: None
+import cluster_config.rules as rules  # nor a checkpoint directory to check
+rules.RULES = tuple(r for r in rules.RULES if r is not rules.model_directories)
 from muser.cli.verifier import register
 parser = argparse.ArgumentParser(prog="muser")
 register(parser.add_subparsers(), "verifier", "verifier daemon")
@@ -183,6 +189,6 @@ async def test_taken_port_is_a_config_error(key_set, tmp_path):
         verifier = config.verifier.model_copy(update={"address": f"127.0.0.1:{port}"})
         config = config.model_copy(update={"verifier": verifier})
         with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
-            create_server(config, backend=FakeBackend())
+            create_server(config, backend=FakeBackend(), unqualified="fake target")
     with FileLog(tmp_path / "wal" / "commit"):  # the refused start released the log
         pass
