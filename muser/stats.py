@@ -1,14 +1,112 @@
-"""Lane statistics, observed in one object and exported elsewhere (STYLE.md item 13).
+"""Lane and daemon statistics, observed in one object and exported elsewhere (STYLE.md item 13).
+
+`muser.metrics` exports them (Prometheus, and the fields of the daemons' Status JSON); the
+bench and the CLI read `LaneStats.to_dict()`. Nothing here does I/O.
 
 Conventions, written once:
 - tokens per round counts every token a round emits, the next frontier included (a + 1);
 - acceptance = accepted drafts / drafted tokens;
-- the verifier-only ceiling = emitted tokens / sum of verifier compute wall (DESIGN.md §9).
+- the verifier-only ceiling = emitted tokens / sum of verifier compute wall (DESIGN.md §9);
+- the round split is draft, transport, verify (target compute + judge), wal (durable appends,
+  the commit included), sign; each phase is summed (`draft_s`, ...) and kept per round in a
+  histogram. `observe_round` closes a round: what the sums gained since the previous close is
+  that round's split, so add a round's times before closing it (or pass them to it);
+- latencies are in seconds; quantiles are exact over the most recent samples (`RECENT`).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+PHASES = ("draft", "transport", "verify", "wal", "sign")
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
+RECENT = 1024
+"""Samples a histogram keeps for exact quantiles (p50/p99 in `muser status`)."""
+RATE_WINDOW_S = 60.0
+"""Tokens per second are counted over this trailing window."""
+
+
+@dataclass
+class Histogram:
+    """Observations per bucket (inclusive upper bounds, then an overflow bucket), their count,
+    sum and maximum, and the last `keep` samples for exact quantiles. Thread-safe: fsyncs are
+    observed off the event loop."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    keep: int = RECENT
+    counts: list[int] = field(default_factory=list)
+    """Per bucket, not cumulative; one more entry than `bounds` (the overflow)."""
+    count: int = 0
+    sum: float = 0.0
+    max: float | None = None
+    recent: deque[float] = field(init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"bucket bounds must increase strictly, got {self.bounds}")
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.recent = deque(maxlen=self.keep)
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # the first bound >= value
+        with self._lock:
+            self.counts[i] += 1
+            self.count += 1
+            self.sum += value
+            self.max = value if self.max is None else max(self.max, value)
+            self.recent.append(value)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations <= it) per bucket, ending with (inf, count)."""
+        with self._lock:
+            counts = list(self.counts)
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """Nearest-rank q-quantile of the recent samples; None before the first one."""
+        with self._lock:
+            samples = sorted(self.recent)
+        if not samples:
+            return None
+        return samples[max(0, math.ceil(q * len(samples)) - 1)]
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def merge(self, other: Histogram) -> None:
+        if other.bounds != self.bounds:
+            raise ValueError(f"cannot merge buckets {other.bounds} into {self.bounds}")
+        with other._lock:
+            counts, count, total = list(other.counts), other.count, other.sum
+            peak, recent = other.max, list(other.recent)
+        with self._lock:
+            self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+            self.count += count
+            self.sum += total
+            if peak is not None:
+                self.max = peak if self.max is None else max(self.max, peak)
+            self.recent.extend(recent)
+
+
+def _phase_histograms(phases: tuple[str, ...] = PHASES) -> dict[str, Histogram]:
+    """Round split histograms keep no samples: a proposer holds one set per session."""
+    return {p: Histogram(keep=0) for p in phases}
 
 
 @dataclass
@@ -25,13 +123,69 @@ class LaneStats:
     wal_s: float = 0.0
     sign_s: float = 0.0
     tokens_per_round_hist: dict[int, int] = field(default_factory=dict)
+    phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
+    """Per-round split, one histogram per phase this lane measures."""
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    recent_emitted: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
+    """(clock time, tokens) of the rounds closed in the last `RATE_WINDOW_S`."""
+    _closed: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
-    def observe_round(self, drafted: int, accepted: int, emitted: int) -> None:
+    def observe_round(
+        self,
+        drafted: int,
+        accepted: int,
+        emitted: int,
+        *,
+        draft_s: float = 0.0,
+        transport_s: float = 0.0,
+        verify_s: float = 0.0,
+        wal_s: float = 0.0,
+        sign_s: float = 0.0,
+    ) -> None:
+        """Close one round: count it, add the times given, and observe the round's split."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
         self.tokens_per_round_hist[emitted] = self.tokens_per_round_hist.get(emitted, 0) + 1
+        self.draft_s += draft_s
+        self.transport_s += transport_s
+        self.verify_s += verify_s
+        self.wal_s += wal_s
+        self.sign_s += sign_s
+        for phase, histogram in self.phases.items():
+            total = getattr(self, f"{phase}_s")
+            histogram.observe(total - self._closed.get(phase, 0.0))
+            self._closed[phase] = total
+        now = self.clock()
+        self.recent_emitted.append((now, emitted))
+        while self.recent_emitted and self.recent_emitted[0][0] < now - RATE_WINDOW_S:
+            self.recent_emitted.popleft()
+
+    def emitted_since(self, since: float) -> int:
+        """Tokens emitted by rounds closed at clock time >= since (within the rate window)."""
+        return sum(n for t, n in self.recent_emitted if t >= since)
+
+    def merge(self, other: LaneStats) -> None:
+        """Add another lane's counts (the proposer sums its sessions at scrape time)."""
+        for name in (
+            "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
+            "transport_s", "wal_s", "sign_s",
+        ):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, n in other.tokens_per_round_hist.items():
+            self.tokens_per_round_hist[k] = self.tokens_per_round_hist.get(k, 0) + n
+        for phase, histogram in other.phases.items():
+            mine = self.phases.setdefault(phase, Histogram(histogram.bounds, histogram.keep))
+            mine.merge(histogram)
+        self.recent_emitted.extend(other.recent_emitted)
+
+    @classmethod
+    def total(cls, lanes: Iterable[LaneStats]) -> LaneStats:
+        out = cls(phases={})
+        for lane in lanes:
+            out.merge(lane)
+        return out
 
     @property
     def acceptance(self) -> float:
@@ -67,3 +221,44 @@ class LaneStats:
             },
             "verifier_ceiling_tokens_per_s": round(self.verifier_ceiling, 3),
         }
+
+
+VERIFIER_PHASES = ("verify", "wal", "sign")
+
+
+@dataclass
+class DaemonStats:
+    """What a daemon observes besides its rounds: refusals by reason and the fsyncs of its
+    WAL (fed by `wal.log.FileLog(on_fsync=...)`)."""
+
+    refusals: dict[str, int] = field(default_factory=dict)
+    refusal_codes: dict[str, str] = field(default_factory=dict)
+    """reason -> the gRPC status code name it is refused with (one code per reason)."""
+    fsync: Histogram = field(default_factory=Histogram)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    started: float | None = None
+    """Clock time the daemon started (default: when this object was made)."""
+
+    def __post_init__(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
+
+    def observe_refusal(self, reason: str, code: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.refusal_codes[reason] = code
+
+    def observe_fsync(self, seconds: float) -> None:
+        self.fsync.observe(seconds)
+
+
+@dataclass
+class VerifierStats(LaneStats, DaemonStats):
+    """The verifier's rounds (no draft or transport phase there) plus its daemon stats."""
+
+    retries: int = 0
+    phases: dict[str, Histogram] = field(default_factory=lambda: _phase_histograms(VERIFIER_PHASES))
+
+    @property
+    def wal_max_s(self) -> float:
+        """Longest round append (the commit log's group commit included)."""
+        return self.phases["wal"].max or 0.0

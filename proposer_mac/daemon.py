@@ -18,16 +18,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster_config import ClusterConfig
-from muser import keys
+from muser import keys, tls
 from muser.errors import MuserError, RefusedError
+from muser.metrics import DaemonView, metrics_route, status_fields
 from muser.records import Identity
+from muser.sampling import SamplingParams
+from muser.stats import DaemonStats, LaneStats
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
 from proposer_mac.drafting import Drafter
 from proposer_mac.driver import DriverContext, SessionRunner
-from proposer_mac.link import channel_options
+from proposer_mac.link import RoundRefused, channel_options
 from proposer_mac.session import ProposerSession
 
 log = logging.getLogger("muser.proposer")
@@ -54,15 +57,21 @@ class ProposerCore:
         if draft is None:
             from proposer_mac.backends import load_draft_backend
 
-            opts = {"device": p.device} if p.backend == "mlx" else {}
+            opts = {"device": p.device} if p.backend == "mlx" else {"dtype": p.dtype}
             draft = load_draft_backend(p.backend, p.draft, **opts)
         self.draft = draft
         self.draft_identity = _identity(draft.identity)
         self.target_identity = target_identity or _target_identity(config)
         Path(p.wal_dir).mkdir(parents=True, exist_ok=True)
-        self.log = FileLog(Path(p.wal_dir) / "journal")
-        self.channel = grpc.aio.insecure_channel(
-            config.verifier.address, options=channel_options(config.limits.max_message_bytes)
+        self.stats = DaemonStats()
+        """Journal fsyncs; the rounds are each runner's LaneStats (`metrics_view` sums them)."""
+        self.log = FileLog(Path(p.wal_dir) / "journal", on_fsync=self.stats.observe_fsync)
+        self.channel = tls.open_channel(
+            config.verifier.address,
+            config.tls,
+            "proposer",
+            options=channel_options(config.limits.max_message_bytes),
+            aio=True,
         )
         self.context = DriverContext(
             private=self.private, verifiers=self.verifiers, log=self.log, channel=self.channel
@@ -104,26 +113,33 @@ class ProposerCore:
                 sid.hex()[:8],
                 session.next_round,
                 "done" if session.done else "resuming",
+                extra={"session": sid.hex(), "round": session.next_round},
             )
         return resumed
 
     async def new_session(self, request: pb.GenerateRequest) -> SessionRunner:
-        limits = self.config.limits
         params = convert.params_from_pb(request.params)
+        prompt = list(request.prompt_tokens) or list(
+            self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        )
+        return await self.start_session(prompt, params, request.draft_len)
+
+    async def start_session(
+        self, prompt: list[int], params: SamplingParams, draft_len: int = 0
+    ) -> SessionRunner:
+        """Open a session on a tokenized prompt; the gRPC and HTTP front ends both land here."""
+        limits = self.config.limits
         if params.max_tokens > limits.max_tokens:
             raise RefusedError(
                 f"max_tokens {params.max_tokens} exceeds the cluster limit {limits.max_tokens}"
             )
-        prompt = list(request.prompt_tokens) or list(
-            self.tokenizer.encode(request.prompt, add_special_tokens=False)
-        )
         if not prompt:
             raise RefusedError("the prompt is empty: give prompt text or prompt_tokens")
         vocab = self.target_identity.vocab_size
         bad = [t for t in prompt if t >= vocab]
         if bad:
             raise RefusedError(f"prompt token {bad[0]} outside the vocabulary [0, {vocab})")
-        draft_len = request.draft_len or self.config.lane.draft_len
+        draft_len = draft_len or self.config.lane.draft_len
         session = ProposerSession.create(
             prompt,
             params,
@@ -146,10 +162,64 @@ def _identity(i) -> Identity:
     return Identity(i.model_digest, i.tokenizer_digest, i.vocab_size)
 
 
-def _target_identity(config: ClusterConfig) -> Identity:
+def _target_identity(config: ClusterConfig) -> Identity | None:
+    """The target's identity from its files, when they are on this machine (else None)."""
     from muser.identity import model_identity
 
+    if not (Path(config.verifier.target) / "config.json").is_file():
+        return None
     return _identity(model_identity(config.verifier.target))
+
+
+async def ask_target_identity(core: ProposerCore, timeout: float = 60.0) -> Identity:
+    """The target's identity as the verifier reports it, for a proposer on another machine
+    than the target's files. Nothing is taken on trust: the verifier refuses any session
+    open that names an identity other than its loaded target's, and signs every result."""
+    address = core.config.verifier.address
+    log.info("verifier.target is not on this machine: asking the verifier at %s", address)
+    try:
+        reply = await core.context.stub.Status(
+            pb.StatusRequest(), timeout=timeout, wait_for_ready=True
+        )
+        t = json.loads(reply.json)["target"]
+        ident = Identity(t["model_digest"], t["tokenizer_digest"], int(t["vocab_size"]))
+    except grpc.aio.AioRpcError as exc:
+        raise RefusedError(
+            f"the target's files are not at verifier.target ({core.config.verifier.target}) "
+            f"and the verifier at {address} did not report its identity: {exc.code().name}: "
+            f"{exc.details()}; start the verifier first, or put the target checkpoint there"
+        ) from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RefusedError(f"the verifier at {address} reported no usable target: {exc}") from exc
+    if ident.tokenizer_digest != core.draft_identity.tokenizer_digest:
+        raise RefusedError(
+            f"the verifier's target tokenizer {ident.tokenizer_digest} differs from the draft's "
+            f"{core.draft_identity.tokenizer_digest} ({core.config.proposer.draft}): the pair "
+            "must share one tokenizer"
+        )
+    return ident
+
+
+def refusal_reason(exc: MuserError) -> str:
+    """The `reason` label of a Generate refusal: the verifier's when it refused the open."""
+    if isinstance(exc, RoundRefused):
+        return f"verifier_{exc.reason}"
+    return "refused" if isinstance(exc, RefusedError) else "internal"
+
+
+def metrics_view(core: ProposerCore) -> DaemonView:
+    """The proposer's stats as `muser.metrics` exports them: its sessions' rounds summed."""
+    runners = list(core.runners.values())
+    return DaemonView(
+        role="proposer",
+        key_id=core.key_id,
+        lane=LaneStats.total(r.stats for r in runners),
+        daemon=core.stats,
+        sessions=len(runners),
+        open_sessions=sum(1 for r in runners if not r.session.done),
+        wal_dir=core.log.directory,
+        now=core.stats.clock(),
+    )
 
 
 class ProposerServicer(pb_grpc.ProposerServicer):
@@ -176,6 +246,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                     if isinstance(exc, RefusedError)
                     else grpc.StatusCode.INTERNAL
                 )
+            core.stats.observe_refusal(refusal_reason(exc), code.name)
             await context.abort(code, str(exc))
         session = runner.session
         offset = request.offset
@@ -211,9 +282,10 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         body = {
             "role": "proposer",
             "key_id": core.key_id,
-            "sessions": len(core.runners),
+            **status_fields(metrics_view(core)),
             "active": sum(1 for r in core.runners.values() if not r.session.done),
-            "draft_device": getattr(core.draft, "device", "cpu"),
+            # "mlx:gpu", "mlx:cpu", "torch:cpu": where the draft runs, as loaded (never assumed)
+            "draft_device": getattr(core.draft, "device_label", "unknown"),
             "verifier": core.config.verifier.address,
         }
         return pb.StatusResponse(
@@ -221,9 +293,22 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         )
 
 
-async def create_server(config: ClusterConfig, *, draft=None, target_identity=None, tokenizer=None):
-    """Build and start the proposer server; returns (server, port). Backends injectable."""
+async def create_server(
+    config: ClusterConfig,
+    *,
+    draft=None,
+    target_identity=None,
+    tokenizer=None,
+    http_routes=(),
+    identity_timeout: float = 60.0,
+):
+    """Build and start the proposer server; returns (server, port). Backends injectable.
+
+    With `proposer.http` set, the OpenAI-compatible API (plus `http_routes`) is served on
+    the same loop: `server.http` is its aiohttp runner, `server.http_port` its bound port."""
     core = ProposerCore(config, draft=draft, target_identity=target_identity, tokenizer=tokenizer)
+    if core.target_identity is None:
+        core.target_identity = await ask_target_identity(core, identity_timeout)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", config.limits.max_message_bytes),
@@ -233,7 +318,7 @@ async def create_server(config: ClusterConfig, *, draft=None, target_identity=No
     pb_grpc.add_ProposerServicer_to_server(ProposerServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.proposer.bind_address)
+    port = tls.add_port(server, config.proposer.bind_address, config.tls, "proposer")
     if port == 0:
         raise RefusedError(f"cannot bind the proposer address {config.proposer.address}")
     await server.start()
@@ -241,12 +326,38 @@ async def create_server(config: ClusterConfig, *, draft=None, target_identity=No
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("muser.v2.Proposer", health_pb2.HealthCheckResponse.SERVING)
     server.core = core  # for tests and status
+    server.http, server.http_port = None, None
+    if config.proposer.http:
+        try:
+            server.http, server.http_port = await _start_http(
+                core, config, (*http_routes, metrics_route(lambda: metrics_view(core)))
+            )
+        except RefusedError:
+            await server.stop(None)
+            raise
     return server, port
+
+
+async def _start_http(core: ProposerCore, config: ClusterConfig, routes):
+    """The OpenAI-compatible API at proposer.http; returns (aiohttp runner, bound port)."""
+    from proposer_mac import http_api
+
+    app = http_api.create_app(
+        core,
+        config,
+        core.tokenizer,
+        context_length=http_api.target_context_length(config),
+        extra_routes=routes,
+    )
+    return await http_api.serve_http(app, config.proposer.http)
 
 
 async def _serve(config: ClusterConfig) -> None:
     server, port = await create_server(config)
     host = config.proposer.bind_address.rpartition(":")[0]
+    if server.http is not None:
+        http_host = config.proposer.http.rpartition(":")[0]
+        print(f"proposer http API on http://{http_host}:{server.http_port}/v1", file=sys.stderr)
     print(
         f"proposer listening on {host}:{port} key={server.core.key_id}", file=sys.stderr, flush=True
     )
@@ -255,6 +366,8 @@ async def _serve(config: ClusterConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if server.http is not None:
+        await server.http.cleanup()
     await server.stop(grace=1.0)
     server.core.log.close()
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from muser import logs
 from muser.records import close_message, tokens_bytes
 from muser.round import plan_depth
 from muser.stats import LaneStats
@@ -99,6 +100,7 @@ class SessionRunner:
         drafting: asyncio.Future | None = None
         backoff = 0.05
         while not s.done:
+            logs.set_round(s.session_id, s.next_round)  # log lines carry session and round
             if s.prepared is None:
                 proposal, seconds = await (drafting or self._start_draft())
                 drafting = None
@@ -139,12 +141,12 @@ class SessionRunner:
             await commit
             t2 = time.perf_counter()
             self.durable = len(s.emitted)
-            self.stats.observe_round(len(result.drafts), result.accepted, len(tokens))
             remote = raw.verify_s + raw.wal_s + raw.sign_s
             self.stats.verify_s += raw.verify_s
             self.stats.wal_s += raw.wal_s + (t2 - t1)
             self.stats.sign_s += raw.sign_s
             self.stats.transport_s += max(0.0, (t1 - t0) - remote)
+            self.stats.observe_round(len(result.drafts), result.accepted, len(tokens))
             self.stats.wall_s = time.perf_counter() - start
             stream.ack(result.round)
             await self._notify()

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from muser import logs
 from muser.canonical import CanonicalError
 from muser.errors import (
     CaptureLayerError,
@@ -56,6 +57,7 @@ from muser.errors import (
     UnknownSessionError,
 )
 from muser.keys import SignatureError
+from muser.metrics import DaemonView, status_fields
 from muser.records import Signed
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -124,8 +126,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _refused(self, exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
         code, reason = status_for(exc)
-        refusals = self.manager.stats.refusals
-        refusals[reason] = refusals.get(reason, 0) + 1
+        self.manager.stats.observe_refusal(reason, code.name)
         log.warning("%s refused: %s %s: %s", where, code.name, reason, exc)
         if isinstance(exc, WalError) and self.on_fatal is not None:
             self.on_fatal(exc)
@@ -199,7 +200,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 session_id = msg.attach.session_id
                 continue
             if kind == "request":
-                for out in await self._round(session_id, msg.request):
+                with logs.round_scope(msg.request.session_id, msg.request.round):
+                    outs = await self._round(session_id, msg.request)
+                for out in outs:
                     yield out
             elif kind == "fragment":
                 error = self._fragment(session_id, msg.fragment)
@@ -258,43 +261,49 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return None
 
 
+def metrics_view(manager: SessionManager) -> DaemonView:
+    """The verifier's stats as `muser.metrics` exports them (`/metrics`, Status)."""
+    states = manager.replay.sessions.values()
+    return DaemonView(
+        role="verifier",
+        key_id=manager.key_id,
+        lane=manager.stats,
+        daemon=manager.stats,
+        sessions=len(states),
+        open_sessions=sum(1 for st in states if not st.done),
+        wal_dir=getattr(manager.log, "directory", None),
+        now=manager.stats.clock(),
+        retries=manager.stats.retries,
+    )
+
+
+def _device_label(backend) -> str:
+    """Where the target computes ("torch:cuda"), or at least its device, for `muser status`."""
+    return getattr(backend, "device_label", None) or getattr(backend, "device", None) or "unknown"
+
+
 def status_json(manager: SessionManager) -> dict:
     """The verifier's status: sessions, throughput, the verifier-only ceiling, the WAL."""
     s = manager.stats
     states = list(manager.replay.sessions.values())
-    commit_log = manager.log
-    directory = getattr(commit_log, "directory", None)
-    wal = {
-        "last_seq": commit_log.last_seq,
-        "dir": str(directory) if directory is not None else None,
-        "bytes": sum(p.stat().st_size for p in directory.glob("seg-*.wal"))
-        if directory is not None
-        else None,
-        "fsync_mean_s": s.wal_s / s.rounds if s.rounds else None,
-        "fsync_max_s": s.wal_max_s if s.rounds else None,
-    }
+    common = status_fields(metrics_view(manager))
+    common["wal"]["last_seq"] = manager.log.last_seq
+    common["wal"]["append_max_s"] = s.wal_max_s if s.rounds else None
     t = manager.target
     return {
         "role": "verifier",
         "key_id": manager.key_id,
-        "sessions": len(states),
+        **common,
         "closed_sessions": len(manager.replay.closed),
         "committed_rounds": sum(st.next_round for st in states),
-        "rounds": s.rounds,
         "retries": s.retries,
-        "drafted": s.drafted,
-        "accepted": s.accepted,
-        "acceptance": s.accepted / s.drafted if s.drafted else 0.0,
-        "emitted": s.emitted,
         "verify_s": s.verify_s,
         "sign_s": s.sign_s,
-        "verifier_ceiling_tok_s": s.emitted / s.verify_s if s.verify_s > 0 else None,
-        "refusals": dict(s.refusals),
         "fragments": {"held": len(manager.fragments), "bytes": manager.fragments.bytes_held},
-        "wal": wal,
         "target": {
             "model_digest": t.model_digest,
             "tokenizer_digest": t.tokenizer_digest,
             "vocab_size": t.vocab_size,
+            "device": _device_label(manager.backend),
         },
     }

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -61,6 +61,7 @@ from muser.records import (
     transcript_digest,
 )
 from muser.sampling import target_probs
+from muser.stats import VerifierStats
 from muser.verify import RoundDecision, judge_round
 from verifier_gx import journal
 from verifier_gx.admission import (
@@ -109,21 +110,6 @@ class RoundOutcome:
     retry: bool
 
 
-@dataclass
-class VerifierStats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    retries: int = 0
-    verify_s: float = 0.0
-    """Target compute + judge wall, summed (the verifier-only ceiling's denominator)."""
-    wal_s: float = 0.0
-    wal_max_s: float = 0.0
-    sign_s: float = 0.0
-    refusals: dict[str, int] = field(default_factory=dict)
-
-
 def _background(coro: Coroutine) -> asyncio.Future:
     """Run `coro` as a task the caller's cancellation does not interrupt."""
     task = asyncio.ensure_future(coro)
@@ -141,14 +127,18 @@ class SessionManager:
         proposer_keys: Mapping[str, Ed25519PublicKey],
         limits: Limits,
         clock: Callable[[], float] = time.monotonic,
+        qualified_draft: tuple[str, str] | None = None,
     ) -> None:
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
+        self.qualified_draft = qualified_draft
+        """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
+        opened with another draft are refused (None: not checked, e.g. unqualified tests)."""
         self.executor = TargetExecutor(backend)
         self.signing_key = signing_key
         self.key_id = keys.key_id(signing_key.public_key())
         self.proposer_keys = dict(proposer_keys)
         self.fragments = FragmentStage()
-        self.stats = VerifierStats()
+        self.stats = VerifierStats(clock=clock)
         self._locks: dict[bytes, asyncio.Lock] = {}
         self._open_lock = asyncio.Lock()
         self._compute_lock = asyncio.Lock()
@@ -230,7 +220,7 @@ class SessionManager:
         async with self._open_lock:
             public = self._proposer_key(o.proposer_key_id)
             keys.verify(public, o.signed_message(req.epoch), req.signature, "session open")
-            check_identities(o, self.target)
+            check_identities(o, self.target, self.qualified_draft)
             check_params(o, self.limits, self.target.vocab_size, self.num_layers)
             if o.genesis_head() != req.genesis_head:
                 raise GenesisMismatchError(
@@ -442,12 +432,4 @@ class SessionManager:
         return decision, [(layer, captured[layer][:kept]) for layer in sorted(captured)]
 
     def _observe(self, request, decision, emitted: int, timings: dict[str, float]) -> None:
-        s = self.stats
-        s.rounds += 1
-        s.drafted += len(request.drafts)
-        s.accepted += decision.accepted
-        s.emitted += emitted
-        s.verify_s += timings["verify_s"]
-        s.wal_s += timings["wal_s"]
-        s.wal_max_s = max(s.wal_max_s, timings["wal_s"])
-        s.sign_s += timings["sign_s"]
+        self.stats.observe_round(len(request.drafts), decision.accepted, emitted, **timings)

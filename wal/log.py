@@ -64,7 +64,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from wal import _fs
@@ -131,7 +132,10 @@ class FileLog:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         keep_snapshots: int = 2,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        on_fsync: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_fsync(seconds)` is called, from the thread that ran it, after each successful
+        fsync of a commit or a rollover (the daemons' stats observe fsync latency there)."""
         if segment_bytes < 64:
             raise WalUsageError(f"segment_bytes must be >= 64, got {segment_bytes}")
         if keep_snapshots < 1:
@@ -146,6 +150,7 @@ class FileLog:
         self.segment_bytes = segment_bytes
         self.keep_snapshots = keep_snapshots
         self.max_record_bytes = max_record_bytes
+        self.on_fsync = on_fsync
         self._state = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._closed = False
@@ -277,7 +282,7 @@ class FileLog:
     def _sync(self, segment: _Active) -> None:
         """fsync one segment: every record written to it before this call becomes durable."""
         try:
-            _fs.fsync_file(segment.fd)
+            self._timed_fsync(segment.fd)
         except OSError as exc:
             raise WalIOError(f"fsync of {segment.path} failed: {exc}") from exc
         finally:
@@ -290,6 +295,12 @@ class FileLog:
         with self._state:
             self._durable = seq
 
+    def _timed_fsync(self, fd: int) -> None:
+        t0 = time.perf_counter()
+        _fs.fsync_file(fd)
+        if self.on_fsync is not None:
+            self.on_fsync(time.perf_counter() - t0)
+
     @staticmethod
     def _close_if_unused(segment: _Active) -> None:
         if segment.retired and segment.refs == 0 and segment.fd >= 0:
@@ -299,7 +310,7 @@ class FileLog:
     def _rollover(self, next_seq: int) -> None:
         """Seal the active segment (fsync) and start the next one at `next_seq`."""
         sealed = self._active
-        _fs.fsync_file(sealed.fd)  # only the last segment may ever end in a partial record
+        self._timed_fsync(sealed.fd)  # only the last segment may ever end in a partial record
         self._create_segment(next_seq)
         with self._state:
             sealed.retired = True

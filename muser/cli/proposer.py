@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import argparse
 
+from muser import logs
+
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     serve = actions.add_parser("serve", help="run the proposer daemon until SIGTERM/SIGINT")
     serve.add_argument("--config", required=True, help="cluster.toml")
+    logs.add_arguments(serve)
     serve.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from cluster_config import load_config
+    from cluster_config.rules import check_rules
     from proposer_mac.daemon import serve
 
-    serve(load_config(args.config))
+    config = load_config(args.config)
+    check_rules(config, role="proposer")
+    logs.configure(args.log_level, args.log_format)
+    serve(config)
     return 0

@@ -1,7 +1,9 @@
 """`muser status --config FILE [--wait S] [--json]`: health and statistics of both daemons.
 
 Exit 0 when both daemons answer the standard gRPC health check with SERVING (waiting up to
---wait seconds for that), 1 when either does not.
+--wait seconds for that), 1 when either does not. The statistics come from each daemon's
+Status RPC (its JSON carries the `muser.metrics.status_fields`), so this works remotely:
+sessions, acceptance, tokens/s over the last minute, WAL bytes on disk, fsync p50/p99.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ def register(sub, name: str, help_text: str) -> None:
     p.set_defaults(func=run)
 
 
-def probe(address: str, service: str, timeout: float = 2.0) -> dict:
+def probe(address: str, service: str, timeout: float = 2.0, tls=None) -> dict:
+    """Health and Status of one daemon; under `tls` (the [tls] section) as the client."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from muser.tls import open_channel
     from muser.wire import muser_v2_pb2 as pb
     from muser.wire import muser_v2_pb2_grpc as pb_grpc
 
     out: dict = {"address": address, "serving": False}
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls, "client") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
@@ -51,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.wait
     while True:
         report = {
-            "verifier": probe(config.verifier.address, "verifier"),
-            "proposer": probe(config.proposer.address, "proposer"),
+            "verifier": probe(config.verifier.address, "verifier", tls=config.tls),
+            "proposer": probe(config.proposer.address, "proposer", tls=config.tls),
         }
         healthy = all(r["serving"] for r in report.values())
         if healthy or time.monotonic() >= deadline:
@@ -66,6 +70,48 @@ def run(args: argparse.Namespace) -> int:
             r = report[role]
             state = "SERVING" if r["serving"] else f"DOWN ({r.get('error', 'not serving')})"
             print(f"{role:<9} {r['address']:<22} {state}")
-            for key, value in r.get("status", {}).items():
-                print(f"  {key}: {value}")
+            for line in summary(r.get("status", {})):
+                print(f"  {line}")
     return 0 if healthy else 1
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f} ms"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def summary(status: dict) -> list[str]:
+    """The human lines of one daemon's Status JSON."""
+    if not status:
+        return []
+    wal = status.get("wal") or {}
+    refusals = status.get("refusals") or {}
+    lines = [
+        f"key {status.get('key_id', '-')}  up {status.get('uptime_s', 0):.0f}s",
+        f"sessions {status.get('sessions', 0)} (open {status.get('open_sessions', 0)})  "
+        f"rounds {status.get('rounds', 0)}  tokens {status.get('emitted', 0)}  "
+        f"acceptance {status.get('acceptance', 0.0):.3f}  "
+        f"tokens/s {status.get('tokens_per_s', 0.0):.1f} (last minute)",
+        f"wal {_bytes(wal.get('bytes'))} in {wal.get('dir', '-')}  "
+        f"fsync p50 {_ms(wal.get('fsync_p50_s'))} p99 {_ms(wal.get('fsync_p99_s'))} "
+        f"({wal.get('fsyncs', 0)} fsyncs)",
+    ]
+    if status.get("draft_device"):
+        lines.append(f"draft on {status['draft_device']}")
+    if (status.get("target") or {}).get("device"):
+        lines.append(f"target on {status['target']['device']}")
+    if status.get("verifier_ceiling_tok_s") is not None:
+        lines.append(f"verifier-only ceiling {status['verifier_ceiling_tok_s']:.1f} tokens/s")
+    if refusals:
+        lines.append("refusals " + ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())))
+    return lines

@@ -7,8 +7,9 @@ cluster file, key or commit log is refused with exit code 2 and a message saying
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
+
+from muser import logs
 
 
 def register(sub, name: str, help_text: str) -> None:
@@ -20,23 +21,17 @@ def register(sub, name: str, help_text: str) -> None:
         description="Recover the commit log, load the target, sign and serve rounds.",
     )
     s.add_argument("--config", type=Path, required=True, help="cluster.toml")
-    s.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level of the structured lines on stderr (default info)",
-    )
+    logs.add_arguments(s)
     s.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from cluster_config import load_config
+    from cluster_config.rules import check_rules
     from verifier_gx.daemon import serve
 
     config = load_config(args.config)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    check_rules(config, role="verifier", receipt=False)  # create_server checks the receipt
+    logs.configure(args.log_level, args.log_format)
     serve(config)
     return 0

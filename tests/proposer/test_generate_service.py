@@ -8,6 +8,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from muser.errors import RefusedError
 from muser.sampling import SamplingParams
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -39,7 +40,7 @@ class Cluster:
         return [event async for event in self.stub.Generate(request)]
 
 
-async def start(key_set, tmp_path, *, enrol_stranger=False, **limits):
+async def start(key_set, tmp_path, *, enrol_stranger=False, ask_identity=False, **limits):
     verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
     await verifier.start()
     cfg = verifier.config
@@ -57,7 +58,7 @@ async def start(key_set, tmp_path, *, enrol_stranger=False, **limits):
     server, port = await create_server(
         cfg,
         draft=FakeBackend(order=1, salt=1),
-        target_identity=identity_of(verifier.backend),
+        target_identity=None if ask_identity else identity_of(verifier.backend),
         tokenizer=CharTokenizer(),
     )
     return Cluster(verifier, server, port, grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
@@ -154,3 +155,65 @@ async def test_results_from_an_unenrolled_verifier_are_never_emitted(key_set, tm
         await c.server.stop(None)
         c.server.core.log.close()
         await c.verifier.stop()
+
+
+# --- a proposer on another machine than the target's files ----------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_proposer_without_the_target_files_asks_the_verifier(key_set, tmp_path):
+    c = await start(key_set, tmp_path, ask_identity=True)  # verifier.target: "no-target"
+    try:
+        assert c.server.core.target_identity == identity_of(c.verifier.backend)
+        events = await c.generate(PARAMS, prompt_tokens=[3, 1, 4, 1, 5])
+        tokens = [t for e in events for t in e.tokens]
+        assert len(tokens) == PARAMS.max_tokens
+    finally:
+        await c.channel.close()
+        await c.server.stop(None)
+        c.server.core.log.close()
+        await c.verifier.stop()
+
+
+class OtherTokenizerDraft(FakeBackend):
+    def __init__(self):
+        super().__init__(order=1, salt=1)
+        i = self.identity
+        self.identity = type(i)(i.model_digest, "other-tok", i.vocab_size, i.architecture, "")
+
+
+@pytest.mark.asyncio
+async def test_a_verifier_target_with_another_tokenizer_is_refused(key_set, tmp_path):
+    verifier = Verifier(make_config(key_set, tmp_path / "wal"), key_set, FakeBackend)
+    await verifier.start()
+    cfg = verifier.config
+    cfg = cfg.model_copy(
+        update={
+            "verifier": cfg.verifier.model_copy(update={"address": f"127.0.0.1:{verifier.port}"}),
+            "proposer": cfg.proposer.model_copy(update={"address": "127.0.0.1:0"}),
+        }
+    )
+    try:
+        with pytest.raises(RefusedError, match="must share one tokenizer"):
+            await create_server(cfg, draft=OtherTokenizerDraft(), tokenizer=CharTokenizer())
+    finally:
+        await verifier.stop()
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_verifier_is_named_when_the_identity_is_needed(key_set, tmp_path):
+    from muser.cli.config import free_port
+
+    cfg = make_config(key_set, tmp_path / "wal")
+    cfg = cfg.model_copy(
+        update={
+            "verifier": cfg.verifier.model_copy(update={"address": f"127.0.0.1:{free_port()}"}),
+            "proposer": cfg.proposer.model_copy(
+                update={"address": "127.0.0.1:0", "wal_dir": tmp_path / "p"}
+            ),
+        }
+    )
+    with pytest.raises(RefusedError, match="did not report its identity.*start the verifier"):
+        await create_server(
+            cfg, draft=FakeBackend(order=1, salt=1), tokenizer=CharTokenizer(), identity_timeout=1
+        )

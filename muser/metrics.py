@@ -1,0 +1,269 @@
+"""Prometheus export of what the daemons observe (STYLE.md item 13: observed in muser.stats,
+exported here). Read at scrape time by a custom collector: nothing here runs per round.
+
+Each daemon hands a function returning a `DaemonView` (its stats as they are now); the same
+view feeds `/metrics` (`serve_metrics`, `metrics_route`) and the common fields of its
+Status JSON (`status_fields`). Both daemons export the same names; the scrape target tells
+them apart and `muser_info` names the role. On the proposer the verify, wal and sign phases
+are what the verifier reported per round (wal adds the proposer's COMMITTED append).
+
+    muser_info{role,key_id}                 gauge      1
+    muser_sessions                          gauge      sessions held (finished, not closed, too)
+    muser_open_sessions                     gauge      sessions not finished
+    muser_rounds_total                      counter    rounds committed
+    muser_drafted_tokens_total              counter    draft tokens proposed
+    muser_accepted_tokens_total             counter    draft tokens accepted
+    muser_emitted_tokens_total              counter    tokens emitted (accepted + next frontier)
+    muser_acceptance_ratio                  gauge      accepted / drafted
+    muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
+    muser_round_phase_seconds{phase}        histogram  per-round split: draft, transport,
+                                                       verify, wal, sign
+    muser_verifier_ceiling_tokens_per_second gauge     emitted / sum of verifier compute wall
+    muser_wal_fsync_seconds                 histogram  fsync latency of the daemon's WAL
+    muser_wal_bytes                         gauge      bytes on disk in the WAL directory
+    muser_refusals_total{reason,code}       counter    refusals by reason and gRPC status
+    muser_retries_total                     counter    retries answered from the WAL (verifier)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+from muser.stats import RATE_WINDOW_S, DaemonStats, Histogram, LaneStats
+
+TOKENS_PER_ROUND_BUCKETS = (*range(1, 17), 24, 32, 48, 65)
+"""Upper bounds for tokens per round: one bucket per count up to 16 (draft_len <= 64)."""
+
+
+@dataclass(frozen=True)
+class DaemonView:
+    """One daemon's stats at one moment, as the exporter and the Status JSON read them."""
+
+    role: str
+    key_id: str
+    lane: LaneStats
+    """Rounds, summed over the daemon's sessions."""
+    daemon: DaemonStats
+    """Refusals and WAL fsyncs."""
+    sessions: int
+    open_sessions: int
+    wal_dir: Path | None
+    now: float
+    """The daemon's clock now (the clock of `daemon.started`)."""
+    retries: int | None = None
+
+
+def wal_bytes(directory: Path | None) -> int | None:
+    """Bytes of the regular files under a WAL directory (segments, snapshots, quarantine)."""
+    if directory is None:
+        return None
+    total = 0
+    for path in Path(directory).rglob("*"):
+        try:
+            if path.is_file():
+                total += path.stat().st_size
+        except FileNotFoundError:  # a segment dropped by a snapshot meanwhile
+            continue
+    return total
+
+
+def tokens_per_s(view: DaemonView) -> float:
+    """Tokens emitted over the trailing window (or the uptime, when shorter), per second."""
+    span = min(RATE_WINDOW_S, view.now - view.daemon.started)
+    if span <= 0:
+        return 0.0
+    return view.lane.emitted_since(view.now - RATE_WINDOW_S) / span
+
+
+def status_fields(view: DaemonView) -> dict:
+    """The fields both daemons' Status JSON carry (`muser status` prints them)."""
+    lane, fsync = view.lane, view.daemon.fsync
+    return {
+        "sessions": view.sessions,
+        "open_sessions": view.open_sessions,
+        "rounds": lane.rounds,
+        "drafted": lane.drafted,
+        "accepted": lane.accepted,
+        "emitted": lane.emitted,
+        "acceptance": lane.acceptance,
+        "tokens_per_round": lane.tokens_per_round,
+        "tokens_per_s": tokens_per_s(view),
+        "uptime_s": view.now - view.daemon.started,
+        "verifier_ceiling_tok_s": lane.verifier_ceiling if lane.verify_s > 0 else None,
+        "refusals": dict(view.daemon.refusals),
+        "wal": {
+            "dir": str(view.wal_dir) if view.wal_dir is not None else None,
+            "bytes": wal_bytes(view.wal_dir),
+            "fsyncs": fsync.count,
+            "fsync_mean_s": fsync.mean,
+            "fsync_p50_s": fsync.quantile(0.5),
+            "fsync_p99_s": fsync.quantile(0.99),
+            "fsync_max_s": fsync.max,
+        },
+    }
+
+
+# ---- Prometheus ---------------------------------------------------------------------------
+
+
+def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    return [
+        ("+Inf" if math.isinf(bound) else floatToGoString(bound), float(n))
+        for bound, n in histogram.cumulative()
+    ]
+
+
+def _tokens_per_round(lane: LaneStats) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "muser_tokens_per_round", "Tokens a round emits: accepted drafts plus the next frontier."
+    )
+    counts = sorted(lane.tokens_per_round_hist.items())
+    buckets = [
+        (floatToGoString(b), float(sum(n for k, n in counts if k <= b)))
+        for b in TOKENS_PER_ROUND_BUCKETS
+    ]
+    buckets.append(("+Inf", float(lane.rounds)))
+    family.add_metric([], buckets, float(lane.emitted))
+    return family
+
+
+class StatsCollector(Collector):
+    """Reads a daemon's stats at scrape time (`view()` is called once per scrape)."""
+
+    def __init__(self, view: Callable[[], DaemonView]) -> None:
+        self.view = view
+
+    def describe(self) -> list[Metric]:
+        return []  # the families depend on the view; registered with auto_describe off
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.view()
+        lane, daemon = v.lane, v.daemon
+        info = GaugeMetricFamily(
+            "muser_info", "The daemon's role and key id.", labels=["role", "key_id"]
+        )
+        info.add_metric([v.role, v.key_id], 1.0)
+        yield info
+        yield GaugeMetricFamily(
+            "muser_sessions", "Sessions held (finished ones too, until closed).", value=v.sessions
+        )
+        yield GaugeMetricFamily(
+            "muser_open_sessions", "Sessions not finished.", value=v.open_sessions
+        )
+        for name, doc, value in (
+            ("muser_rounds", "Rounds committed.", lane.rounds),
+            ("muser_drafted_tokens", "Draft tokens proposed.", lane.drafted),
+            ("muser_accepted_tokens", "Draft tokens accepted.", lane.accepted),
+            (
+                "muser_emitted_tokens",
+                "Tokens emitted: accepted drafts plus each round's next frontier.",
+                lane.emitted,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "muser_acceptance_ratio", "Accepted drafts / drafted tokens.", value=lane.acceptance
+        )
+        yield _tokens_per_round(lane)
+        phases = HistogramMetricFamily(
+            "muser_round_phase_seconds",
+            "Per-round time split: draft, transport, verify (target compute + judge), wal "
+            "(durable appends), sign.",
+            labels=["phase"],
+        )
+        for phase, histogram in lane.phases.items():
+            phases.add_metric([phase], _buckets(histogram), histogram.sum)
+        yield phases
+        yield GaugeMetricFamily(
+            "muser_verifier_ceiling_tokens_per_second",
+            "Emitted tokens / sum of verifier compute wall: a bound no deployment can beat.",
+            value=lane.verifier_ceiling,
+        )
+        fsync = HistogramMetricFamily("muser_wal_fsync_seconds", "fsync latency of the WAL.")
+        fsync.add_metric([], _buckets(daemon.fsync), daemon.fsync.sum)
+        yield fsync
+        size = wal_bytes(v.wal_dir)
+        if size is not None:
+            yield GaugeMetricFamily("muser_wal_bytes", "Bytes on disk in the WAL.", value=size)
+        refusals = CounterMetricFamily(
+            "muser_refusals",
+            "Refusals by reason and the gRPC status they are answered with.",
+            labels=["reason", "code"],
+        )
+        for reason, n in sorted(daemon.refusals.items()):
+            refusals.add_metric([reason, daemon.refusal_codes.get(reason, "")], n)
+        yield refusals
+        if v.retries is not None:
+            yield CounterMetricFamily(
+                "muser_retries", "Retries answered with the committed result.", value=v.retries
+            )
+
+
+def registry(view: Callable[[], DaemonView]) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StatsCollector(view))
+    return reg
+
+
+def exposition(view: Callable[[], DaemonView]) -> bytes:
+    """The text exposition format (version 0.0.4) of one scrape."""
+    return generate_latest(registry(view))
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+
+
+def metrics_handler(view: Callable[[], DaemonView]):
+    """An aiohttp handler serving `exposition(view)`."""
+    from aiohttp import web
+
+    reg = registry(view)
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(reg), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
+        )
+
+    return handle
+
+
+def metrics_route(view: Callable[[], DaemonView]):
+    """GET /metrics as an aiohttp RouteDef (the proposer adds it to its HTTP API's app)."""
+    from aiohttp import web
+
+    return web.get("/metrics", metrics_handler(view))
+
+
+async def serve_metrics(address: str, view: Callable[[], DaemonView]):
+    """Start a small HTTP server with GET /metrics on HOST:PORT (port 0: any free port).
+    Returns (runner, port); `await runner.cleanup()` stops it."""
+    from aiohttp import web
+
+    from muser.errors import RefusedError
+
+    app = web.Application()
+    app.add_routes([metrics_route(view)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, _, port = address.rpartition(":")
+    site = web.TCPSite(runner, host.strip("[]"), int(port))
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise RefusedError(f"cannot serve metrics on {address!r}: {exc}") from exc
+    bound = runner.addresses[0][1] if runner.addresses else int(port)
+    return runner, bound

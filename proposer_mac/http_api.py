@@ -1,0 +1,644 @@
+"""The OpenAI-compatible HTTP API of the proposer daemon, served by aiohttp on the daemon's
+asyncio loop next to its grpc.aio server.
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
+server-sent events or not). A request becomes one session through
+`ProposerCore.start_session`, exactly like a gRPC Generate, and its text is made only of
+durable tokens (COMMITTED fsynced). `seed` is the session's MT19937 seed, the same mapping
+as `muser generate --seed`, so a seeded request reproduces the local lane token for token.
+
+Text is decoded from the whole token list on every update, so a delta never splits a UTF-8
+character or a BPE merge and the streamed deltas concatenate to the non-streaming text.
+Stop strings cut the text and end the response. Other routes (the daemon's `/metrics`) join
+the same app through `create_app(..., extra_routes=...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from cluster_config import ClusterConfig
+from muser.errors import MuserError, RefusedError
+from muser.sampling import SamplingParams
+from proposer_mac.link import LinkDown
+
+log = logging.getLogger("muser.http")
+
+SEED_LIMIT = 2**32
+"""Seeds are MT19937 init_genrand seeds: [0, 2**32)."""
+COMPLETION_MAX_TOKENS = 16
+"""OpenAI's documented default for /v1/completions; chat fills the context instead."""
+
+# Parameters this server does not implement: a value other than these is refused (fail
+# closed) rather than silently ignored.
+UNSUPPORTED: dict[str, tuple] = {
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+
+_GRPC_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+class ApiError(Exception):
+    """A refused request, rendered as OpenAI error JSON with this HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """Map a domain error to one HTTP status: refused input 400, verifier down 503, else 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RefusedError):
+        return ApiError(str(exc))
+    code = getattr(exc, "code", None)
+    status = _GRPC_STATUS.get(code, 500) if isinstance(code, grpc.StatusCode) else 500
+    if isinstance(exc, LinkDown):
+        status = 503
+    return ApiError(str(exc), status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = ApiError(f"{request.method} {request.path}: {exc.reason}", status=exc.status)
+    except MuserError as exc:
+        error = api_error(exc)
+    except ApiError as exc:
+        error = exc
+    except Exception as exc:  # a bug: the client still gets error JSON, the log the traceback
+        log.exception("%s %s failed", request.method, request.path)
+        error = ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500)
+    if error.status >= 500:
+        log.error("%s %s: %s", request.method, request.path, error.message)
+    return web.json_response(error.body(), status=error.status)
+
+
+# --- the served model -----------------------------------------------------------------------
+
+
+def served_model_id(target: Path) -> str:
+    """The id clients name: the target checkpoint's folder (org/name for a hub snapshot)."""
+    path = Path(target).resolve()
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--") :].replace("--", "/")
+    return path.name
+
+
+def target_context_length(config: ClusterConfig) -> int | None:
+    """The target's context window, so an oversized request is refused here with a 400
+    before a session is journaled; None when the checkpoint is not readable here."""
+    from muser.geometry import read_geometry
+
+    try:
+        return read_geometry(config.verifier.target).context_length
+    except (MuserError, OSError, ValueError):
+        return None
+
+
+@dataclass
+class Api:
+    """What the handlers share: the core that opens sessions and the model they serve."""
+
+    core: Any  # ProposerCore (not imported: the app is testable on a stand-in)
+    tokenizer: Any
+    model_id: str
+    max_tokens: int
+    context_length: int | None
+    clock: Callable[[], float]
+    created: int = 0
+
+
+API = web.AppKey("muser_api", Api)
+
+
+# --- request parsing ------------------------------------------------------------------------
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(
+            f"the request body is not valid JSON ({exc}); expected a JSON object"
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body is a JSON {type(body).__name__}; expected an object")
+    return body
+
+
+def _field(body: dict, name: str, kind: type, default, expected: str):
+    """body[name] of `kind` (None counts as absent); bools are not numbers."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise ApiError(f"{name} must be {expected}, got {value!r}", param=name)
+    return float(value) if kind is float else value
+
+
+def _check_common(body: dict, api: Api) -> None:
+    model = body.get("model")
+    if model is not None and model != api.model_id:
+        raise ApiError(
+            f"unknown model {model!r}; this server serves {api.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    n = _field(body, "n", int, 1, "an integer")
+    if n != 1:
+        raise ApiError(f"n must be 1 (one choice per request), got {n}", param="n")
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in neutral:
+            raise ApiError(f"{name}={value!r} is not supported by this server", param=name)
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(
+            f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop"
+        )
+    return tuple(stops)
+
+
+def _max_tokens(body: dict, api: Api, prompt_len: int, default: int | None) -> int:
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    room = None if api.context_length is None else api.context_length - prompt_len + 1
+    if room is not None and room < 1:
+        raise ApiError(
+            f"a prompt of {prompt_len} tokens leaves no room in the model's context window of "
+            f"{api.context_length} positions"
+        )
+    if default is None:
+        default = api.max_tokens if room is None else min(api.max_tokens, room)
+    value = _field(body, name, int, default, "an integer >= 1")
+    if value < 1:
+        raise ApiError(f"{name} must be an integer >= 1, got {value}", param=name)
+    if value > api.max_tokens:
+        raise ApiError(
+            f"{name} {value} exceeds this cluster's limit limits.max_tokens = {api.max_tokens}",
+            param=name,
+        )
+    if room is not None and value > room:
+        raise ApiError(
+            f"a prompt of {prompt_len} tokens with {name} {value} needs "
+            f"{prompt_len + value - 1} positions; the model's context window is "
+            f"{api.context_length}",
+            param=name,
+        )
+    return value
+
+
+def sampling_params(
+    body: dict, api: Api, prompt_len: int, default_max: int | None
+) -> SamplingParams:
+    """The session's fixed params from an OpenAI body (OpenAI defaults: temperature 1)."""
+    temperature = _field(body, "temperature", float, 1.0, "a number >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ApiError(f"temperature must be a number >= 0, got {temperature}", param="temperature")
+    top_p = _field(body, "top_p", float, 1.0, "a number in (0, 1]")
+    if not 0 < top_p <= 1:
+        raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _field(body, "top_k", int, 0, "an integer (0 or -1 = off)")
+    if top_k < -1:
+        raise ApiError(f"top_k must be >= -1 (0 or -1 = off), got {top_k}", param="top_k")
+    seed = _field(body, "seed", int, None, "an integer")
+    if seed is None:
+        seed = secrets.randbelow(SEED_LIMIT)
+    elif not 0 <= seed < SEED_LIMIT:
+        raise ApiError(f"seed must be in [0, 2**32), got {seed}", param="seed")
+    ignore_eos = _field(body, "ignore_eos", bool, False, "a boolean")
+    eos = getattr(api.tokenizer, "eos_token_id", None)
+    return SamplingParams(
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        max_tokens=_max_tokens(body, api, prompt_len, default_max),
+        stop_tokens=() if ignore_eos or eos is None else (int(eos),),
+        seed=seed,
+    )
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    tokens = list(tokenizer.encode(text, add_special_tokens=False))
+    if not tokens:
+        raise ApiError(
+            f"{param} {text!r} encodes to no tokens; give a non-empty prompt", param=param
+        )
+    return tokens
+
+
+def prompt_tokens(body: dict, tokenizer) -> list[int]:
+    """A completion prompt: text or token ids, one prompt per request."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(
+            "missing required field 'prompt' (a string or a list of token ids)", param="prompt"
+        )
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _encode(tokenizer, prompt, "prompt")
+    ids = isinstance(prompt, list) and prompt
+    if ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return list(ids)
+    raise ApiError(
+        f"prompt must be a non-empty string or list of token ids (one prompt per request), "
+        f"got {json.dumps(prompt)[:80]}",
+        param="prompt",
+    )
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """Messages as {role, content} with text content (text parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(
+            f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}",
+            param="messages",
+        )
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, dict) else None for p in content]
+            content = "".join(parts) if all(isinstance(p, str) for p in parts) else None
+        elif content is None and isinstance(m, dict) and m.get("role") == "assistant":
+            content = ""
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or content is None:
+            raise ApiError(
+                f"messages[{i}] must be {{role: string, content: string or text parts}}, "
+                f"got {json.dumps(m)[:80]}",
+                param=f"messages[{i}]",
+            )
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The checkpoint's own chat template when it has one, else role-labelled turns."""
+    if not getattr(tokenizer, "chat_template", None):
+        return simple_chat_prompt(messages)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja raises its own errors (e.g. roles out of order)
+        raise ApiError(
+            f"the model's chat template refused the messages: {exc}", param="messages"
+        ) from exc
+
+
+def simple_chat_prompt(messages: list[dict[str, str]]) -> str:
+    """For checkpoints without a template (the fixtures): `Role: content` lines, then the
+    assistant's cue."""
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+
+
+# --- durable tokens -> text -----------------------------------------------------------------
+
+
+class TextStream:
+    """Durable tokens in, text deltas out.
+
+    Every feed decodes the whole token list, so a character or merge split across tokens
+    comes out whole; a trailing partial character (U+FFFD) and any tail that could begin a
+    stop string are held back until the next feed, and only text that extends what was
+    already sent is emitted. The first stop string found cuts the text and ends the stream.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str] = ()):
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.tokens: list[int] = []
+        """Tokens the text covers: all fed, or those through the one completing a stop."""
+        self.sent = ""
+        self.stopped = False
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def feed(self, tokens: Sequence[int], *, final: bool = False) -> str:
+        """Add durable tokens; return the text now safe to send (`final`: send the rest)."""
+        before = len(self.tokens)
+        self.tokens += tokens
+        text = self.decode(self.tokens)
+        cut = self._find_stop(text)
+        if cut is not None:
+            start, end = cut
+            self.stopped = True
+            self.tokens = self.tokens[: self._tokens_through(text[:end], before)]
+            return self._extend(text[:start], last=True)
+        if not final:
+            text = text[: len(text) - self._holdback(text)]
+        return self._extend(text, last=final)
+
+    def _find_stop(self, text: str) -> tuple[int, int] | None:
+        """The earliest stop occurrence not already inside the sent text: (start, end)."""
+        longest = max((len(s) for s in self.stops), default=0)
+        since = max(0, len(self.sent) - longest + 1)
+        found = [(i, i + len(s)) for s in self.stops if (i := text.find(s, since)) >= 0]
+        return min(found) if found else None
+
+    def _tokens_through(self, prefix: str, before: int) -> int:
+        """The fewest tokens whose text covers `prefix` (the stop string's last token
+        counts: it was generated for this request)."""
+        for k in range(before + 1, len(self.tokens)):
+            if self.decode(self.tokens[:k]).startswith(prefix):
+                return k
+        return len(self.tokens)
+
+    def _holdback(self, text: str) -> int:
+        """Characters at the end of `text` not yet safe to send."""
+        whole = text.rstrip("\ufffd")
+        partial = 0
+        for stop in self.stops:
+            partial = max([partial] + [k for k in range(1, len(stop)) if whole.endswith(stop[:k])])
+        return len(text) - len(whole) + partial
+
+    def _extend(self, text: str, *, last: bool) -> str:
+        if not text.startswith(self.sent):  # an earlier character changed: wait for it to settle
+            if last:
+                log.warning("decoded text %r does not extend the text sent %r", text, self.sent)
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+def finish_reason(session) -> str:
+    """An end-of-sequence token (or a stop string, found by the caller) ends with "stop";
+    running out of max_tokens with "length"."""
+    emitted, params = session.emitted, session.params
+    if emitted and emitted[-1] in params.stop_tokens:
+        return "stop"
+    return "length" if len(emitted) >= params.max_tokens else "stop"
+
+
+async def text_pieces(runner, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
+    """(delta, finish_reason) from the runner's durable tokens; the last carries the reason."""
+    offset = 0
+    while True:
+        tokens, done = await runner.wait_tokens(offset)
+        offset += len(tokens)
+        delta = text.feed(tokens, final=done)
+        if text.stopped:
+            yield delta, "stop"
+            return
+        if done:
+            yield delta, finish_reason(runner.session)
+            return
+        if delta:
+            yield delta, None
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """One request's session and the shape its responses take."""
+
+    api: Api
+    chat: bool
+    runner: Any  # SessionRunner
+    text: TextStream
+
+    def envelope(self, chunk: bool) -> dict:
+        sid = self.runner.session.session_id.hex()
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else None
+        return {
+            "id": f"chatcmpl-{sid}" if self.chat else f"cmpl-{sid}",
+            "object": kind or "text_completion",
+            "created": int(self.api.clock()),
+            "model": self.api.model_id,
+            "system_fingerprint": f"muser-{self.api.core.target_identity.model_digest[:16]}",
+        }
+
+    def choice(self, content: str, reason: str | None, chunk: bool) -> dict:
+        out: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            out["text"] = content
+        elif chunk:
+            out["delta"] = {"content": content} if content else {}
+        else:
+            out["message"] = {"role": "assistant", "content": content}
+        return {**out, "logprobs": None, "finish_reason": reason}
+
+    def usage(self) -> dict:
+        prompt, completion = len(self.runner.session.prompt), len(self.text.tokens)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def muser(self) -> dict:
+        """Our extension: the session and its acceptance statistics (muser.stats)."""
+        s = self.runner.stats
+        return {
+            "session": self.runner.session.session_id.hex(),
+            "seed": self.runner.session.params.seed,
+            "rounds": s.rounds,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "acceptance": round(s.acceptance, 6),
+            "tokens_per_round": round(s.tokens_per_round, 6),
+        }
+
+
+async def _collect(reply: Reply) -> web.Response:
+    pieces = [piece async for piece in text_pieces(reply.runner, reply.text)]
+    content, reason = "".join(delta for delta, _ in pieces), pieces[-1][1]
+    body = {
+        **reply.envelope(chunk=False),
+        "choices": [reply.choice(content, reason, chunk=False)],
+        "usage": reply.usage(),
+        "muser": reply.muser(),
+    }
+    return web.json_response(body)
+
+
+async def _send(resp: web.StreamResponse, body: dict) -> None:
+    await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+
+async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> web.StreamResponse:
+    """Server-sent events: one chunk per durable delta, the reason last, then [DONE]."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    head = reply.envelope(chunk=True)
+    try:
+        if reply.chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            await _send(
+                resp, {**head, "choices": [{**first, "logprobs": None, "finish_reason": None}]}
+            )
+        try:
+            async for delta, reason in text_pieces(reply.runner, reply.text):
+                extra = {"muser": reply.muser()} if reason else {}
+                await _send(resp, {**head, "choices": [reply.choice(delta, reason, True)], **extra})
+            if include_usage:
+                usage = {"usage": reply.usage(), "muser": reply.muser()}
+                await _send(resp, {**head, "choices": [], **usage})
+        except MuserError as exc:  # the status line is gone: the error travels as an event
+            await _send(resp, api_error(exc).body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("client left session %s mid-stream", reply.runner.session.session_id.hex()[:8])
+    return resp
+
+
+async def _generate(request: web.Request, body: dict, prompt: list[int], chat: bool):
+    api = request.app[API]
+    default_max = None if chat else COMPLETION_MAX_TOKENS
+    params = sampling_params(body, api, len(prompt), default_max)
+    stops = _stops(body)
+    stream = _field(body, "stream", bool, False, "a boolean")
+    options = _field(body, "stream_options", dict, {}, "an object")
+    include_usage = _field(options, "include_usage", bool, False, "a boolean")
+    runner = await api.core.start_session(prompt, params)
+    reply = Reply(api, chat, runner, TextStream(api.tokenizer, stops))
+    if stream:
+        return await _stream(request, reply, include_usage)
+    return await _collect(reply)
+
+
+# --- handlers and the app -------------------------------------------------------------------
+
+
+async def _models(request: web.Request) -> web.Response:
+    api = request.app[API]
+    core = api.core
+    card = {
+        "id": api.model_id,
+        "object": "model",
+        "created": api.created,
+        "owned_by": "muser",
+        "max_model_len": api.context_length,
+        "muser": {
+            "target_digest": core.target_identity.model_digest,
+            "tokenizer_digest": core.target_identity.tokenizer_digest,
+            "draft_digest": core.draft_identity.model_digest,
+            "vocab_size": core.target_identity.vocab_size,
+        },
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    api = request.app[API]
+    body = await _json_body(request)
+    _check_common(body, api)
+    return await _generate(request, body, prompt_tokens(body, api.tokenizer), chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    api = request.app[API]
+    body = await _json_body(request)
+    _check_common(body, api)
+    text = chat_prompt(api.tokenizer, chat_messages(body))
+    return await _generate(request, body, _encode(api.tokenizer, text, "messages"), chat=True)
+
+
+def create_app(
+    core,
+    config: ClusterConfig,
+    tokenizer,
+    *,
+    model_id: str | None = None,
+    context_length: int | None = None,
+    extra_routes: Sequence[web.RouteDef] = (),
+    clock: Callable[[], float] = time.time,
+) -> web.Application:
+    """The OpenAI-compatible app over `core` (ProposerCore); `extra_routes` (e.g. /metrics)
+    are served by the same app."""
+    app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_message_bytes)
+    app[API] = Api(
+        core,
+        tokenizer,
+        model_id or served_model_id(config.verifier.target),
+        config.limits.max_tokens,
+        context_length,
+        clock,
+        int(clock()),
+    )
+    app.add_routes(
+        [
+            web.get("/v1/models", _models),
+            web.post("/v1/completions", _completions),
+            web.post("/v1/chat/completions", _chat_completions),
+            *extra_routes,
+        ]
+    )
+    return app
+
+
+async def serve_http(app: web.Application, address: str) -> tuple[web.AppRunner, int]:
+    """Start `app` on HOST:PORT on the running loop; returns (runner, bound port)."""
+    host, _, port = address.rpartition(":")
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, int(port)).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise RefusedError(f"cannot bind the proposer http address {address}: {exc}") from exc
+    return runner, runner.addresses[0][1]
