@@ -30,15 +30,21 @@ DEVICES: tuple[Device, ...] = ("auto", "cpu", "gpu")
 
 
 def choose_device(device: Device) -> str:
-    """ "auto" → "gpu" when Metal is available, else "cpu"; "gpu" without one is refused."""
+    """ "auto" → "gpu" when MLX has one (Metal on a Mac), else "cpu"; "gpu" without one is
+    refused, naming the setting to change (`proposer.device` in cluster.toml)."""
     import mlx.core as mx
 
     if device not in DEVICES:
         raise InvalidOverrideError(f"device {device!r} is not one of {DEVICES}")
+    has_gpu = mx.is_available(mx.gpu)
     if device == "auto":
-        return "gpu" if mx.metal.is_available() else "cpu"
-    if device == "gpu" and not mx.is_available(mx.gpu):
-        raise InvalidOverrideError("device 'gpu' requested but MLX has no GPU here; use 'cpu'")
+        return "gpu" if has_gpu else "cpu"
+    if device == "gpu" and not has_gpu:
+        raise InvalidOverrideError(
+            "device 'gpu' requested (proposer.device) but MLX has no GPU on this machine "
+            f'(Metal available: {mx.metal.is_available()}): set proposer.device = "cpu", or '
+            '"auto" (Metal when present, else CPU)'
+        )
     return device
 
 
@@ -109,6 +115,11 @@ class MlxBackend:
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self._model)
+
+    @property
+    def device_label(self) -> str:
+        """Where the rows are computed, as `muser status` reports it: "mlx:gpu" or "mlx:cpu"."""
+        return f"mlx:{self.device}"
 
     @property
     def vocab_size(self) -> int:

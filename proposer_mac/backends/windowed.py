@@ -43,6 +43,10 @@ class WindowedBackend:
         return getattr(self.inner, "device", None)
 
     @property
+    def device_label(self) -> str:
+        return getattr(self.inner, "device_label", "unknown")
+
+    @property
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 

@@ -39,6 +39,39 @@ def _set_rope_theta(config, theta: float) -> None:
         config.rope_theta = theta
 
 
+def check_device(device: str) -> str:
+    """The torch device `device` names ("cpu", "cuda", "cuda:1"), refused when this machine
+    cannot run it, naming the setting to change (`verifier.device` in cluster.toml)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidOverrideError(
+            f"device {device!r} is not a torch device: expected cpu, cuda or cuda:N ({exc})"
+        ) from None
+    if parsed.type == "cpu":
+        return str(parsed)
+    if parsed.type != "cuda":
+        raise InvalidOverrideError(
+            f"device {device!r} refused: the torch backend runs on cpu or cuda[:N]"
+        )
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise InvalidOverrideError(
+            f"device {device!r} requested (verifier.device) but torch {torch.__version__} "
+            f'({build}) sees no CUDA device here: set verifier.device = "cpu", or install a '
+            "CUDA build of torch on a machine with an NVIDIA GPU"
+        )
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise InvalidOverrideError(
+            f"device {device!r} requested (verifier.device) but torch sees {count} CUDA "
+            f"device(s): use cuda:0..cuda:{count - 1}"
+        )
+    return str(parsed)
+
+
 class TorchBackend:
     """A causal LM under torch with the KV cache of one sequence (`ModelBackend`)."""
 
@@ -63,9 +96,9 @@ class TorchBackend:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise InvalidOverrideError(f"threads {threads!r} is invalid: expected int ≥ 1")
             torch.set_num_threads(threads)  # process-wide; tiny models run faster on one
+        self.device = check_device(device)
         self.identity = model_identity(path)
         self.geometry = read_geometry(path, context_length=context_length, rope_theta=rope_theta)
-        self.device = str(device)
         self.dtype = dtype
         self._torch = torch
         self._model = self._load(path, rope_theta, getattr(torch, dtype))
@@ -94,6 +127,11 @@ class TorchBackend:
         from transformers import DynamicCache
 
         return DynamicCache()
+
+    @property
+    def device_label(self) -> str:
+        """Where the rows are computed, as `muser status` reports it: "torch:cuda:0"…"""
+        return f"torch:{self.device}"
 
     @property
     def vocab_size(self) -> int:
