@@ -25,6 +25,12 @@ class LaneStats:
     wal_s: float = 0.0
     sign_s: float = 0.0
     tokens_per_round_hist: dict[int, int] = field(default_factory=dict)
+    speculated: int = 0
+    """Rounds drafted ahead, on the guess that the round before is fully accepted."""
+    speculation_hits: int = 0
+    """Speculative drafts used (the guess held); the rest were drafted again."""
+    speculation_s: float = 0.0
+    """Draft-thread wall spent speculating, off the critical path while rounds are away."""
 
     def observe_round(self, drafted: int, accepted: int, emitted: int) -> None:
         self.rounds += 1
@@ -66,4 +72,9 @@ class LaneStats:
                 "sign": round(self.sign_s, 6),
             },
             "verifier_ceiling_tokens_per_s": round(self.verifier_ceiling, 3),
+            "speculation": {
+                "rounds": self.speculated,
+                "hits": self.speculation_hits,
+                "seconds": round(self.speculation_s, 6),
+            },
         }
