@@ -55,6 +55,7 @@ class SessionRunner:
         self.error: Exception | None = None
         self.task: asyncio.Task | None = None
         self.durable = len(session.emitted)
+        self.cancelled = False
         """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
 
     def start(self) -> None:
@@ -74,6 +75,12 @@ class SessionRunner:
         if self.error is not None and self.durable <= offset:
             raise self.error
         return s.emitted[offset : self.durable], self.finished and self.durable == len(s.emitted)
+
+    def cancel(self) -> None:
+        """End the session after the round in flight (an HTTP client has its stop string or
+        left; it cannot come back for the rest): journaled DONE and closed on the verifier
+        like a finished one. Tokens already durable stay; nothing more is drafted."""
+        self.cancelled = True
 
     @property
     def finished(self) -> bool:
@@ -148,7 +155,7 @@ class SessionRunner:
         drafting: asyncio.Future | None = None
         speculation: Speculating | None = None
         backoff = 0.05
-        while not s.done:
+        while not s.done and not (self.cancelled and s.prepared is None):
             if s.prepared is None:
                 proposal, seconds = await (drafting or self._start_draft())
                 drafting = None
@@ -185,7 +192,7 @@ class SessionRunner:
             commit = asyncio.ensure_future(
                 core.log.append_async(journal.encode_committed(s.session_id, result.round, signed))
             )
-            if not s.done:  # the next draft overlaps the COMMITTED fsync
+            if not s.done and not self.cancelled:  # the next draft overlaps COMMITTED's fsync
                 drafting = await self._next_draft(speculation, tokens)
             elif speculation is not None:
                 speculation.stop.set()
@@ -202,6 +209,9 @@ class SessionRunner:
             self.stats.wall_s = time.perf_counter() - start
             stream.ack(result.round)
             await self._notify()
+        if not s.done:  # cancelled: the session ends at what is durable
+            log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
+            s.done = True
         await core.log.append_async(journal.encode_done(s.session_id))
         if stream is not None:
             stream.close()
