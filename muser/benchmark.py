@@ -205,6 +205,11 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
         out[lane] = {
             "split_s": split,
             "verifier_ceiling": emitted / split["verify"] if split.get("verify") else None,
+            "ideal_tokens_per_s": (
+                emitted / (split["draft"] + split["verify"])
+                if split.get("verify") and "draft" in split
+                else None
+            ),
             "tokens_per_s": statistics.median(rates),
             "spread": [min(rates), max(rates)],
             "acceptance": accepted / drafted if drafted else None,
@@ -214,6 +219,10 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
         base = out["plain"]["tokens_per_s"]
         for row in out.values():
             row["ratio_to_plain"] = row["tokens_per_s"] / base
+    if "local" in out:
+        base = out["local"]["tokens_per_s"]
+        for row in out.values():
+            row["ratio_to_local"] = row["tokens_per_s"] / base
     plain_tokens = {(s.prompt, s.repeat): s.tokens for s in samples if s.lane == "plain"}
     for lane in out:
         same = [
@@ -239,8 +248,8 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
 
 def format_table(summary: dict) -> str:
     head = (
-        f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'accept':>7} "
-        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'=plain':>7}"
+        f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'×local':>7} {'accept':>7} "
+        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'=plain':>7}"
     )
     lines = [head]
     for lane, r in summary.items():
@@ -249,11 +258,13 @@ def format_table(summary: dict) -> str:
         ceiling = r.get("verifier_ceiling")
         ceil_s = f"{ceiling:.1f}" if ceiling else "-"
         ratio = f"{r['tokens_per_s'] / ceiling:.2f}" if ceiling else "-"
+        to_local = f"{r['ratio_to_local']:.2f}" if "ratio_to_local" in r else "-"
+        ideal = f"{r['ideal_tokens_per_s']:.1f}" if r.get("ideal_tokens_per_s") else "-"
         lo, hi = r["spread"]
         lines.append(
             f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
-            f"{r.get('ratio_to_plain', 0):>7.2f} {acc:>7} {tpr:>7} {ceil_s:>8} {ratio:>6} "
-            f"{r['greedy_match_plain']:>7}"
+            f"{r.get('ratio_to_plain', 0):>7.2f} {to_local:>7} {acc:>7} {tpr:>7} {ceil_s:>8} "
+            f"{ratio:>6} {ideal:>7} {r['greedy_match_plain']:>7}"
         )
     splits = [(lane, r["split_s"]) for lane, r in summary.items() if r.get("split_s")]
     if splits:

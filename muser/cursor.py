@@ -33,6 +33,10 @@ class KvCursor:
             self.last_row = None
             self.backend._muser_cursor = self  # type: ignore[attr-defined]
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """True when the backend's cache is this cursor's and holds exactly `tokens`."""
+        return getattr(self.backend, "_muser_cursor", None) is self and self.tokens == list(tokens)
+
     def _common_prefix(self, tokens: Sequence[int]) -> int:
         n = min(len(self.tokens), len(tokens))
         i = 0

@@ -123,6 +123,12 @@ class LaneStats:
     wal_s: float = 0.0
     sign_s: float = 0.0
     tokens_per_round_hist: dict[int, int] = field(default_factory=dict)
+    speculated: int = 0
+    """Rounds drafted ahead, on the guess that the round before is fully accepted."""
+    speculation_hits: int = 0
+    """Speculative drafts used (the guess held); the rest were drafted again."""
+    speculation_s: float = 0.0
+    """Draft-thread wall spent speculating, off the critical path while rounds are away."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
     """Per-round split, one histogram per phase this lane measures."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
@@ -170,7 +176,7 @@ class LaneStats:
         """Add another lane's counts (the proposer sums its sessions at scrape time)."""
         for name in (
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
-            "transport_s", "wal_s", "sign_s",
+            "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, n in other.tokens_per_round_hist.items():
@@ -220,6 +226,11 @@ class LaneStats:
                 "sign": round(self.sign_s, 6),
             },
             "verifier_ceiling_tokens_per_s": round(self.verifier_ceiling, 3),
+            "speculation": {
+                "rounds": self.speculated,
+                "hits": self.speculation_hits,
+                "seconds": round(self.speculation_s, 6),
+            },
         }
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -27,11 +29,21 @@ from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
-from proposer_mac.drafting import Drafter
+from proposer_mac.drafting import Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
 log = logging.getLogger("muser.proposer")
+
+
+@dataclass(frozen=True)
+class Speculating:
+    """A speculative draft of the next round, running in the draft thread."""
+
+    future: asyncio.Future
+    stop: threading.Event
+    drafts: list[int]
+    """The drafts of the round in flight, which the speculation assumes all accepted."""
 
 
 class SessionRunner:
@@ -44,6 +56,7 @@ class SessionRunner:
         self.error: Exception | None = None
         self.task: asyncio.Task | None = None
         self.durable = len(session.emitted)
+        self.cancelled = False
         """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
 
     def start(self) -> None:
@@ -63,6 +76,12 @@ class SessionRunner:
         if self.error is not None and self.durable <= offset:
             raise self.error
         return s.emitted[offset : self.durable], self.finished and self.durable == len(s.emitted)
+
+    def cancel(self) -> None:
+        """End the session after the round in flight (an HTTP client has its stop string or
+        left; it cannot come back for the rest): journaled DONE and closed on the verifier
+        like a finished one. Tokens already durable stay; nothing more is drafted."""
+        self.cancelled = True
 
     @property
     def finished(self) -> bool:
@@ -93,13 +112,51 @@ class SessionRunner:
 
         return asyncio.get_running_loop().run_in_executor(self.core.draft_pool, work)
 
+    def _start_speculation(self, proposal: Draft) -> Speculating | None:
+        """Draft the round after this one, guessing it is fully accepted (see drafting.py),
+        while this one is at the verifier. None when this round ends the session anyway."""
+        s = self.session
+        remaining = s.params.max_tokens - len(s.emitted) - len(proposal.drafts) - 1
+        if not self.core.speculate or not proposal.drafts or remaining < 1:
+            return None
+        depth = plan_depth(s.draft_len, remaining)
+        transcript, state, stop = list(s.transcript), s.state, threading.Event()
+
+        def work():
+            t0 = time.perf_counter()
+            spec = self.drafter.speculate(
+                transcript, state, proposal, depth, s.params.stop_tokens, stop
+            )
+            return spec, time.perf_counter() - t0
+
+        future = asyncio.get_running_loop().run_in_executor(self.core.draft_pool, work)
+        return Speculating(future, stop, proposal.drafts)
+
+    async def _next_draft(self, speculation: Speculating | None, tokens: list[int]):
+        """The next round's draft (a future of (proposal, seconds)): the speculative one when
+        its guess held, else a new one."""
+        if speculation is not None:
+            if tokens[:-1] != speculation.drafts:
+                speculation.stop.set()  # not fully accepted: stop between two forwards
+            spec, seconds = await speculation.future
+            self.stats.speculation_s += seconds
+            self.stats.speculated += 1
+            if spec is not None and spec.proposal is not None and spec.emitted == tokens:
+                self.stats.speculation_hits += 1
+                self.drafter.adopt()
+                done = asyncio.get_running_loop().create_future()
+                done.set_result((spec.proposal, 0.0))
+                return done
+        return self._start_draft()
+
     async def _drive(self) -> None:
         s, core = self.session, self.core
         start = time.perf_counter() - self.stats.wall_s
         stream: RoundStream | None = None
         drafting: asyncio.Future | None = None
+        speculation: Speculating | None = None
         backoff = 0.05
-        while not s.done:
+        while not s.done and not (self.cancelled and s.prepared is None):
             logs.set_round(s.session_id, s.next_round)  # log lines carry session and round
             if s.prepared is None:
                 proposal, seconds = await (drafting or self._start_draft())
@@ -110,6 +167,7 @@ class SessionRunner:
                     journal.encode_prepared(s.session_id, s.next_round, signed_request)
                 )
                 s.prepared = signed_request
+                speculation = self._start_speculation(proposal)
             try:
                 if stream is None:
                     stream = await core.attach(s)
@@ -136,8 +194,11 @@ class SessionRunner:
             commit = asyncio.ensure_future(
                 core.log.append_async(journal.encode_committed(s.session_id, result.round, signed))
             )
-            if not s.done:
-                drafting = self._start_draft()  # the next draft overlaps the COMMITTED fsync
+            if not s.done and not self.cancelled:  # the next draft overlaps COMMITTED's fsync
+                drafting = await self._next_draft(speculation, tokens)
+            elif speculation is not None:
+                speculation.stop.set()
+            speculation = None
             await commit
             t2 = time.perf_counter()
             self.durable = len(s.emitted)
@@ -150,6 +211,9 @@ class SessionRunner:
             self.stats.wall_s = time.perf_counter() - start
             stream.ack(result.round)
             await self._notify()
+        if not s.done:  # cancelled: the session ends at what is durable
+            log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
+            s.done = True
         await core.log.append_async(journal.encode_done(s.session_id))
         if stream is not None:
             stream.close()
@@ -166,8 +230,11 @@ class DriverContext:
         verifiers: dict[str, Ed25519PublicKey],
         log,
         channel: grpc.aio.Channel,
+        speculate: bool = True,
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
+        self.speculate = speculate
+        """Draft round r+1 while round r is at the verifier (lane.speculate)."""
         self.stub = pb_grpc.VerifierStub(channel)
         self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
@@ -141,7 +142,7 @@ class SessionManager:
         self.stats = VerifierStats(clock=clock)
         self._locks: dict[bytes, asyncio.Lock] = {}
         self._open_lock = asyncio.Lock()
-        self._compute_lock = asyncio.Lock()
+        self._backend_lock = threading.Lock()
         self.replay = self._recover()
 
     # ---- recovery -------------------------------------------------------------------------
@@ -356,9 +357,33 @@ class SessionManager:
         return RoundOutcome(stored_bytes, result, captures, {}, True)
 
     async def _commit(self, state: SessionState, request: RoundRequest, digest: bytes):
-        async with self._compute_lock:  # the target backend and its KV are shared
+        decision, result, captures, post, signed, timings = await asyncio.to_thread(
+            self._decide, state, request, digest
+        )
+        # fenced CAS: under the session lock nothing else moves head or epoch, so this holds
+        if state.head != request.expected_head or state.epoch != request.epoch:
+            raise JournalError(
+                f"session {short(state.session_id)} moved during round {request.round}"
+            )
+        tokens = state.apply_round(result, digest, signed, post)
+        for d, data in captures:
+            self.fragments.put(d, data, (state.session_id, request.round))
+        self._observe(request, decision, len(tokens), timings)
+        log.info(
+            "session %s round %d: accepted %d/%d next_frontier %d emitted %d "
+            "verify %.1fms wal %.1fms",
+            short(state.session_id), request.round, decision.accepted, len(request.drafts),
+            decision.next_frontier, len(tokens), 1e3 * timings["verify_s"], 1e3 * timings["wal_s"],
+        )  # fmt: skip
+        return RoundOutcome(signed, result, captures, timings, False)
+
+    def _decide(self, state: SessionState, request: RoundRequest, digest: bytes):
+        """Compute, sign and commit one round in one worker thread (DESIGN.md §5 steps 3-4):
+        one hop from the event loop and back per round. The session lock (held by the
+        caller) keeps the session still; the backend lock serialises the shared target."""
+        with self._backend_lock:
             t0 = self.clock()
-            decision, captured = await asyncio.to_thread(self._compute, state, request)
+            decision, captured = self._compute(state, request)
             t1 = self.clock()
         emitted = decision.emitted(request.drafts)
         captures = [capture_fragment(state, request, layer, rows) for layer, rows in captured]
@@ -384,25 +409,10 @@ class SessionManager:
         t2 = self.clock()
         signed = Signed(body, self.signing_key.sign(body)).encode()
         t3 = self.clock()
-        await self.log.append_async(journal.encode(journal.RoundEntry(digest, signed)))
+        self.log.append(journal.encode(journal.RoundEntry(digest, signed)))
         t4 = self.clock()
-        # fenced CAS: under the session lock nothing else moves head or epoch, so this holds
-        if state.head != request.expected_head or state.epoch != request.epoch:
-            raise JournalError(
-                f"session {short(state.session_id)} moved during round {request.round}"
-            )
-        tokens = state.apply_round(result, digest, signed, post)
-        for d, data in captures:
-            self.fragments.put(d, data, (state.session_id, request.round))
         timings = {"verify_s": t1 - t0, "sign_s": t3 - t2, "wal_s": t4 - t3}
-        self._observe(request, decision, len(tokens), timings)
-        log.info(
-            "session %s round %d: accepted %d/%d next_frontier %d emitted %d "
-            "verify %.1fms wal %.1fms",
-            short(state.session_id), request.round, decision.accepted, len(request.drafts),
-            decision.next_frontier, len(tokens), 1e3 * timings["verify_s"], 1e3 * timings["wal_s"],
-        )  # fmt: skip
-        return RoundOutcome(signed, result, captures, timings, False)
+        return decision, result, captures, post, signed, timings
 
     def _compute(self, state: SessionState, request: RoundRequest):
         """Witness rows, judge, settle the KV. Runs in a worker thread under the compute lock."""

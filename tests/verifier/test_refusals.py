@@ -245,10 +245,10 @@ async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(veri
 
     client, stream = await opened(verifier)
 
-    async def failing_append(payload: bytes) -> int:
+    def failing_append(payload: bytes) -> int:  # rounds commit from the compute thread
         raise WalIOError("fsync of seg-1.wal failed: [Errno 5] Input/output error")
 
-    verifier.manager.log.append_async = failing_append
+    verifier.manager.log.append = failing_append
     await expect_refused(
         verifier, client, stream, client.sign(client.draft_request()), C.INTERNAL, "wal_failure"
     )
