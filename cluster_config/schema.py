@@ -133,6 +133,11 @@ class Lane(_Strict):
         default_factory=list,
         description="Target decoder layers (0-based) whose hidden rows results attach.",
     )
+    speculate: bool = Field(
+        True,
+        description="Draft round r+1 while round r is at the verifier, on the guess that r is "
+        "fully accepted (latency hiding; never changes the tokens).",
+    )
     receipt: Path = Field(
         Path("qualification.json"),
         description="The lane's qualification receipt (`muser qualify` writes it; the verifier "

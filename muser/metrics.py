@@ -14,6 +14,8 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_drafted_tokens_total              counter    draft tokens proposed
     muser_accepted_tokens_total             counter    draft tokens accepted
     muser_emitted_tokens_total              counter    tokens emitted (accepted + next frontier)
+    muser_speculated_rounds_total           counter    rounds drafted ahead (latency hiding)
+    muser_speculation_hits_total            counter    speculative drafts used (guess held)
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
     muser_round_phase_seconds{phase}        histogram  per-round split: draft, transport,
@@ -171,6 +173,16 @@ class StatsCollector(Collector):
                 "muser_emitted_tokens",
                 "Tokens emitted: accepted drafts plus each round's next frontier.",
                 lane.emitted,
+            ),
+            (
+                "muser_speculated_rounds",
+                "Rounds drafted while the round before was at the verifier (proposer).",
+                lane.speculated,
+            ),
+            (
+                "muser_speculation_hits",
+                "Speculative drafts used because their guess held (proposer).",
+                lane.speculation_hits,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -74,7 +74,11 @@ class ProposerCore:
             aio=True,
         )
         self.context = DriverContext(
-            private=self.private, verifiers=self.verifiers, log=self.log, channel=self.channel
+            private=self.private,
+            verifiers=self.verifiers,
+            log=self.log,
+            channel=self.channel,
+            speculate=config.lane.speculate,
         )
         self.runners: dict[bytes, SessionRunner] = {}
         self._tokenizer = tokenizer

@@ -40,7 +40,9 @@ class Cluster:
         return [event async for event in self.stub.Generate(request)]
 
 
-async def start(key_set, tmp_path, *, enrol_stranger=False, ask_identity=False, **limits):
+async def start(
+    key_set, tmp_path, *, enrol_stranger=False, ask_identity=False, speculate=True, **limits
+):
     verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
     await verifier.start()
     cfg = verifier.config
@@ -53,6 +55,7 @@ async def start(key_set, tmp_path, *, enrol_stranger=False, ask_identity=False, 
             "verifier": cfg.verifier.model_copy(update={"address": f"127.0.0.1:{verifier.port}"}),
             "proposer": cfg.proposer.model_copy(update={"address": "127.0.0.1:0"}),
             "enrolment": enrolment,
+            "lane": cfg.lane.model_copy(update={"speculate": speculate}),
         }
     )
     server, port = await create_server(
@@ -217,3 +220,51 @@ async def test_an_unreachable_verifier_is_named_when_the_identity_is_needed(key_
         await create_server(
             cfg, draft=FakeBackend(order=1, salt=1), tokenizer=CharTokenizer(), identity_timeout=1
         )
+
+
+async def stop(c: Cluster) -> None:
+    await c.channel.close()
+    await c.server.stop(None)
+    c.server.core.log.close()
+    await c.verifier.stop()
+
+
+@pytest.mark.asyncio
+async def test_lane_speculate_switches_latency_hiding_and_never_the_tokens(key_set, tmp_path):
+    runs = {}
+    for flag in (True, False):
+        c = await start(key_set, tmp_path / str(flag), speculate=flag)
+        try:
+            runner = await c.server.core.start_session(PROMPT, PARAMS)
+            await runner.task
+            runs[flag] = list(runner.session.emitted), runner.stats
+        finally:
+            await stop(c)
+    (on, on_stats), (off, off_stats) = runs[True], runs[False]
+    assert on == off and len(on) == PARAMS.max_tokens
+    assert on_stats.speculated > 0 and off_stats.speculated == 0
+    assert on_stats.speculation_hits <= on_stats.speculated < on_stats.rounds
+
+
+@pytest.mark.asyncio
+async def test_cancel_ends_the_session_after_the_round_in_flight(cluster):
+    from proposer_mac import journal
+
+    params = SamplingParams(temperature=1.0, max_tokens=300, seed=5)
+    runner = await cluster.server.core.start_session(PROMPT, params)
+    first, _ = await runner.wait_tokens(0)
+    assert first
+    runner.cancel()
+    await runner.task
+    emitted = runner.session.emitted
+    assert runner.error is None and runner.finished
+    assert 0 < len(emitted) < params.max_tokens
+    assert await runner.wait_tokens(0) == (emitted, True)  # waiters see the end
+    sid = runner.session.session_id
+    journaled = journal.replay(r.payload for r in cluster.server.core.log.records())
+    assert journaled[sid].done and journaled[sid].prepared is None
+    for _ in range(200):
+        if sid in cluster.verifier.manager.replay.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert sid in cluster.verifier.manager.replay.closed
