@@ -556,9 +556,12 @@ async def _generate(request: web.Request, body: dict, prompt: list[int], chat: b
     include_usage = _field(options, "include_usage", bool, False, "a boolean")
     runner = await api.core.start_session(prompt, params)
     reply = Reply(api, chat, runner, TextStream(api.tokenizer, stops))
-    if stream:
-        return await _stream(request, reply, include_usage)
-    return await _collect(reply)
+    try:
+        if stream:
+            return await _stream(request, reply, include_usage)
+        return await _collect(reply)
+    finally:  # a stop string, a finished reply or a client gone: nobody reads the rest
+        runner.cancel()
 
 
 # --- handlers and the app -------------------------------------------------------------------

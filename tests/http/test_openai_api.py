@@ -150,6 +150,47 @@ def test_stop_strings_cut_the_text_and_end_generation(client, model_id, prompt, 
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def emitted_total(base_url: str) -> float:
+    """The proposer's muser_emitted_tokens_total, once it stops moving."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> float:
+        url = base_url.removesuffix("/v1") + "/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "muser_emitted_tokens_total":
+                    return sample.value
+        raise AssertionError("no muser_emitted_tokens_total on /metrics")
+
+    last = scrape()
+    for _ in range(50):
+        time.sleep(0.3)
+        now = scrape()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the emitted-token counter never settled")
+
+
+def test_a_stop_string_ends_the_session_not_only_the_text(client, model_id, prompt, base_url):
+    # a session nobody reads is cancelled: it stops drafting after the round in flight
+    before = emitted_total(base_url)
+    r = client.completions.create(
+        model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=" "
+    )
+    assert r.choices[0].finish_reason == "stop"
+    used = r.usage.completion_tokens
+    assert used < MAX_TOKENS // 4, "the stop string must come early for this test"
+    grew = emitted_total(base_url) - before
+    # at most: durable tokens the reply did not need, the round in flight, the round drafted
+    # when the cancel came (each D + 1 = 5 tokens at most)
+    assert used <= grew <= used + 15 < MAX_TOKENS
+
+
 def post(base_url: str, path: str, body: bytes) -> tuple[int, dict]:
     request = urllib.request.Request(
         base_url + path, data=body, headers={"Content-Type": "application/json"}
