@@ -33,7 +33,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the built fixture pair)")
     g.add_argument("--target", type=Path, help="target checkpoint directory (Hugging Face format)")
     g.add_argument("--draft", type=Path, help="draft checkpoint directory (same tokenizer)")
-    g.add_argument("--target-backend", default="torch", choices=["torch"], help="default torch")
+    g.add_argument(
+        "--target-backend",
+        default="torch",
+        choices=["torch", "vllm"],
+        help="default torch; vllm needs .venv-vllm (`make vllm-env`, docs/backends.md)",
+    )
     g.add_argument(
         "--draft-backend",
         default="torch",

@@ -9,8 +9,21 @@ import numpy as np
 PROMPT = [17, 3, 250, 88, 41, 199, 5, 64, 120, 9, 300, 77, 2, 150, 33, 260]
 
 
+# vLLM's CPU attention has no kernel for the default tiny head size (64 / 4 heads = 16).
+CHECKPOINT_OPTIONS: dict[str, dict[str, object]] = {"vllm": {"hidden_size": 128}}
+
+
+def checkpoint_options(kind: str) -> dict[str, object]:
+    """The tiny-checkpoint options a backend kind needs (none for most)."""
+    return dict(CHECKPOINT_OPTIONS.get(kind, {}))
+
+
 def build_backend(kind: str, path: Path, **opts: object):
-    """kind ∈ torch | mlx | windowed (torch inner, window from opts, default 3)."""
+    """kind ∈ torch | mlx | windowed (torch inner, window from opts, default 3) | vllm."""
+    if kind == "vllm":
+        from verifier_gx.backends.vllm_backend import VllmBackend
+
+        return VllmBackend(path, **opts)
     if kind == "torch":
         from verifier_gx.backends.torch_backend import TorchBackend
 

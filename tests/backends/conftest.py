@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from muser.testing import make_tiny_checkpoint
-from tests.backends.backend_helpers import build_backend
+from tests.backends.backend_helpers import build_backend, checkpoint_options
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _identity_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # Package scope: a session-wide MUSER_CACHE_DIR outlived this folder and sent every later
+    # test (tests/lanes, ...) to rebuild the fixtures in the temporary cache (~2-3 min).
     cache = tmp_path_factory.mktemp("muser-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MUSER_CACHE_DIR", str(cache))
@@ -58,7 +60,7 @@ def loaded(checkpoint: Callable[..., Path]) -> Callable[..., object]:
     def get(kind: str, arch: str = "llama", **opts: object) -> object:
         key = (kind, arch, *sorted(opts.items()))
         if key not in cache:
-            cache[key] = build_backend(kind, checkpoint(arch), **opts)
+            cache[key] = build_backend(kind, checkpoint(arch, **checkpoint_options(kind)), **opts)
         backend = cache[key]
         backend.reset()
         return backend

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -32,11 +34,21 @@ def test_draft_window_option_wraps_the_backend(llama) -> None:
     assert draft.device == "cpu"
 
 
-@pytest.mark.parametrize("kind", ["vllm", "mlx", "", "TORCH"])
+@pytest.mark.parametrize("kind", ["mlx", "", "TORCH", "VLLM"])
 def test_unknown_target_kind_refused_listing_valid_kinds(kind: str, llama) -> None:
-    with pytest.raises(UnknownBackendError, match=rf"{kind!r}.*valid kinds are torch"):
+    with pytest.raises(UnknownBackendError, match=rf"{kind!r}.*valid kinds are torch, vllm"):
         load_target_backend(kind, llama)
-    assert TARGET_KINDS == ("torch",)
+    assert TARGET_KINDS == ("torch", "vllm")
+
+
+def test_vllm_target_without_vllm_installed_says_how_to_get_it(llama) -> None:
+    """The default environment has no vLLM (it lives in .venv-vllm, `make vllm-env`)."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here; tests/backends/test_vllm_backend.py covers it")
+    with pytest.raises(UnknownBackendError, match=r"needs the vllm package.*make vllm-env"):
+        load_target_backend("vllm", llama)
+    with pytest.raises(InvalidOverrideError, match=r"vllm backend does not take.*\['threads'\]"):
+        load_target_backend("vllm", llama, threads=1)
 
 
 @pytest.mark.parametrize("kind", ["vllm", "metal", "MLX"])

@@ -1,7 +1,7 @@
-"""Target backends (DESIGN.md §8): `torch` now; `vllm` joins this table later.
+"""Target backends (DESIGN.md §8): `torch` (default) and `vllm`.
 
 Backends are imported lazily, so a verifier without one backend's libraries still loads
-the others.
+the others (vLLM lives in its own environment, `make vllm-env`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Literal
 from muser.backend import ModelBackend
 from muser.errors import InvalidOverrideError, UnknownBackendError
 
-TargetKind = Literal["torch"]
-TARGET_KINDS: tuple[TargetKind, ...] = ("torch",)
+TargetKind = Literal["torch", "vllm"]
+TARGET_KINDS: tuple[TargetKind, ...] = ("torch", "vllm")
+CAPTURE_KINDS: tuple[TargetKind, ...] = ("torch",)
+"""Kinds with `evaluate_capture` (hidden rows of chosen layers); the others refuse capture."""
 
 
 def check_options(cls: type, kind: str, opts: dict) -> None:
@@ -37,9 +39,14 @@ def load_target_backend(
 
         check_options(TorchBackend, kind, opts)
         return TorchBackend(path, **opts)
+    if kind == "vllm":
+        from verifier_gx.backends.vllm_backend import VllmBackend
+
+        check_options(VllmBackend, kind, opts)
+        return VllmBackend(path, **opts)
     raise UnknownBackendError(
         f"target backend {kind!r} is unknown; valid kinds are {', '.join(TARGET_KINDS)}"
     )
 
 
-__all__ = ["TARGET_KINDS", "TargetKind", "check_options", "load_target_backend"]
+__all__ = ["CAPTURE_KINDS", "TARGET_KINDS", "TargetKind", "check_options", "load_target_backend"]

@@ -1,0 +1,175 @@
+"""The vLLM target backend (marker `vllm`: runs in .venv-vllm, `make test-vllm`).
+
+The backend contract, the same rows as the torch backend on the same checkpoint, KV reuse
+across rounds, rollback across cached blocks and every override taking effect. Greedy output
+on the natural fixtures: tests/lanes/test_vllm_lanes.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from muser.errors import ContextOverflowError, InvalidOverrideError
+from muser.testing import ARCHES
+from tests.backends.backend_helpers import (
+    PROMPT,
+    build_backend,
+    checkpoint_options,
+    float64_rows,
+)
+from tests.backends.contract import BackendContract, softmax64
+
+pytestmark = pytest.mark.vllm
+
+LONG = [int(t) for t in np.random.default_rng(5).integers(0, 320, 200)]
+
+
+class TestVllmContract(BackendContract):
+    @pytest.fixture
+    def kind(self) -> str:
+        return "vllm"
+
+
+@pytest.fixture(scope="module")
+def vllm_path(checkpoint):
+    return checkpoint("llama", **checkpoint_options("vllm"))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_rows_equal_the_torch_backend_rows(arch: str, loaded, checkpoint) -> None:
+    """Logits and probabilities within 1e-4 absolute of torch's, on every fixture arch."""
+    torch_rows = build_backend("torch", checkpoint(arch, **checkpoint_options("vllm")))
+    expected = torch_rows.evaluate(PROMPT)
+    backend = loaded("vllm", arch)
+    rows = np.concatenate(
+        [backend.evaluate(PROMPT[:7])] + [backend.evaluate([t]) for t in PROMPT[7:]]
+    )
+    assert backend.identity == torch_rows.identity
+    np.testing.assert_allclose(rows, expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(softmax64(rows), softmax64(expected), rtol=0, atol=1e-4)
+
+
+def test_a_round_reuses_the_committed_kv(loaded, vllm_path) -> None:
+    """Rounds of D+1 = 5 after a 150-token transcript, two drafts rejected in each: the
+    engine computes the new tokens and at most block_size - 1 held ones, never the
+    transcript again, and the kept rows are the float64 reference's."""
+    backend = loaded("vllm")
+    rng = np.random.default_rng(7)
+    transcript = LONG[:150]
+    backend.evaluate(transcript)
+    recomputes, kept = backend.full_recomputes, []
+    for _ in range(12):
+        drafted = [int(t) for t in rng.integers(0, 320, 5)]  # a new frontier and 4 drafts
+        before = backend.engine_tokens
+        rows = backend.evaluate(drafted)
+        computed = backend.engine_tokens - before
+        assert 5 <= computed <= 5 + backend.block_size - 1, (len(transcript), computed)
+        backend.rollback(2)
+        transcript += drafted[:3]
+        kept.append(rows[:3])
+    assert backend.full_recomputes == recomputes
+    reference = float64_rows(vllm_path, transcript)[150:]
+    np.testing.assert_allclose(np.concatenate(kept), reference, rtol=0, atol=1e-4)
+
+
+def test_rollback_across_cached_blocks_then_reevaluate(loaded) -> None:
+    """Rewind 100 tokens and evaluate them again: their KV blocks are still cached, so
+    the backend recomputes without the cache (counted) and the rows come back the same."""
+    backend = loaded("vllm")
+    first = backend.evaluate(LONG[:40])
+    rest = backend.evaluate(LONG[40:140])
+    recomputes = backend.full_recomputes
+    backend.rollback(100)
+    again = backend.evaluate(LONG[40:140])
+    assert backend.full_recomputes == recomputes + 1
+    np.testing.assert_allclose(again, rest, rtol=0, atol=1e-5)
+    backend.rollback(100)
+    other = backend.evaluate([t + 1 for t in LONG[40:140]])  # a different continuation
+    assert backend.full_recomputes == recomputes + 1
+    assert other.shape == rest.shape and np.abs(other - rest).max() > 0.1
+    backend.reset()
+    np.testing.assert_allclose(backend.evaluate(LONG[:40]), first, rtol=0, atol=1e-5)
+
+
+def test_loader_builds_it_and_context_override_moves_the_refusal(vllm_path) -> None:
+    from verifier_gx.backends import load_target_backend
+    from verifier_gx.backends.vllm_backend import VllmBackend, default_kv_cache_bytes
+
+    backend = load_target_backend("vllm", vllm_path, context_length=8)
+    assert type(backend) is VllmBackend and backend.geometry.context_length == 8
+    assert backend.device_label == "vllm:cpu"
+    assert backend.kv_cache_bytes == default_kv_cache_bytes(vllm_path, 8) == 64 << 20
+    backend.evaluate(PROMPT[:8])
+    with pytest.raises(ContextOverflowError, match=r"9 tokens.*context_length is 8"):
+        backend.evaluate([PROMPT[8]])
+    assert backend.length == 8
+    backend.rollback(1)
+    assert backend.evaluate([PROMPT[8]]).shape == (1, 320)
+
+
+def test_default_kv_pool_is_sized_from_the_checkpoint(vllm_path) -> None:
+    """Not vLLM's CPU default (most of the RAM): KV_SEQUENCES full contexts at 4 bytes a
+    value, at least 64 MiB."""
+    from verifier_gx.backends.vllm_backend import KV_SEQUENCES, default_kv_cache_bytes
+
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32, float32
+    assert default_kv_cache_bytes(vllm_path, 32768) == KV_SEQUENCES * 32769 * per_token
+    assert default_kv_cache_bytes(vllm_path, 256) == 64 << 20
+
+
+def test_the_whole_checkpoint_context_fits(loaded) -> None:
+    backend = loaded("vllm")
+    assert backend.geometry.context_length == 256
+    backend.evaluate([7] * 256)
+    with pytest.raises(ContextOverflowError, match="257 tokens.*context_length is 256"):
+        backend.evaluate([7])
+
+
+def test_context_override_past_the_checkpoint_matches_the_reference(loaded, vllm_path) -> None:
+    backend = loaded("vllm", context_length=300)
+    tokens = (LONG * 2)[:300]
+    rows = np.concatenate([backend.evaluate(tokens[:290]), backend.evaluate(tokens[290:])])
+    np.testing.assert_allclose(rows, float64_rows(vllm_path, tokens), rtol=0, atol=1e-4)
+
+
+def test_rope_theta_override_matches_the_reference(loaded, vllm_path) -> None:
+    rope = {"rope_theta": 500.0, "rope_type": "default"}
+    rows = loaded("vllm", rope_theta=500.0).evaluate(PROMPT)
+    reference = float64_rows(vllm_path, PROMPT, rope_parameters=rope)
+    np.testing.assert_allclose(rows, reference, rtol=0, atol=1e-4)
+    assert np.abs(rows - loaded("vllm").evaluate(PROMPT)).max() > 0.1
+
+
+def test_dtype_option_takes_effect_and_rows_stay_float64(loaded) -> None:
+    rows = loaded("vllm", dtype="bfloat16").evaluate(PROMPT)
+    reference = loaded("vllm").evaluate(PROMPT)
+    assert rows.dtype == np.float64
+    difference = np.abs(rows - reference).max()
+    assert 0 < difference < 0.5, difference
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("device", "cuda", "device 'cuda' refused: this vLLM build runs on 'cpu'"),
+        ("dtype", "float64", "'float64' is not one of"),
+        ("block_size", 0, "block_size 0 is invalid"),
+        ("kv_cache_bytes", 1.5, "kv_cache_bytes 1.5 is invalid"),
+    ],
+)
+def test_bad_options_refused_before_the_engine_starts(vllm_path, option, value, message):
+    from verifier_gx.backends.vllm_backend import VllmBackend
+
+    with pytest.raises(InvalidOverrideError, match=message):
+        VllmBackend(vllm_path, **{option: value})
+
+
+def test_engine_in_its_own_processes_gives_the_same_rows(loaded, vllm_path) -> None:
+    """engine_process=True: the hook runs in vLLM's worker process; rows cross as bytes."""
+    expected = loaded("vllm").evaluate(PROMPT)
+    backend = build_backend("vllm", vllm_path, engine_process=True)
+    rows = np.concatenate([backend.evaluate(PROMPT[:10]), backend.evaluate(PROMPT[10:])])
+    np.testing.assert_array_equal(rows, expected)
+    backend.rollback(6)
+    np.testing.assert_array_equal(backend.evaluate(PROMPT[10:]), expected[10:])

@@ -1,0 +1,306 @@
+"""Target backend on vLLM's engine: full witness rows, with the committed KV reused.
+
+Implements `muser.backend.ModelBackend` (same evaluate / rollback / reset semantics as
+`TorchBackend`). vLLM serves requests, not an open KV cursor, so each `evaluate(tokens)`
+submits the whole sequence (held tokens + `tokens`) as one prompt and asks for one greedy
+token that nobody reads. The engine's prefix cache holds the KV of every full block of the
+held sequence, so the engine computes only the positions after the last cached block
+boundary: the new tokens plus at most `block_size - 1` held ones, never the whole context.
+
+Where the rows come from. vLLM computes logits only for the positions it samples, and its
+prompt-logprob path (which does return every prompt row) skips the prefix cache, so neither
+gives D + 1 rows with KV reuse. Instead `RowCapture`, a worker extension
+(`worker_extension_cls`, driven through `collective_rpc`, both public vLLM interfaces), puts a
+forward hook on the model that keeps the final hidden row of every position the engine
+computes, tagged with its position and token id. After the request finishes,
+`muser_take_rows` turns the rows of the requested positions into logits with the model's own
+`compute_logits` (the head vLLM samples from) and returns them as float32. The host widens
+them to float64; normalisation happens there (`muser.sampling`), as for every backend.
+
+When a position that is needed was served from the cache (the same tokens were evaluated,
+rolled back, and are evaluated again across a full block), its row was never computed: the
+request is repeated with the prefix cache bypassed, a full O(context) recompute, counted in
+`full_recomputes`. The speculative lanes never do this: a round's new tokens start at the
+next frontier, which either follows the last accepted draft or replaced a rejected one.
+
+The hook needs the model's Python forward to run, so the engine runs eagerly (no CUDA graphs
+or torch.compile). By default the engine core and its worker run inside this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, read by vLLM when the engine is built); `engine_process`
+puts them in their own processes, and rows then cross the process boundary as bytes.
+
+An in-process engine lives until the process exits: when one shuts down, vLLM tears down
+its process-wide distributed state, which would break every other engine in the process
+(a verifier holds one; the tests hold several).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from muser.backend import Geometry, ModelIdentity
+from muser.errors import InvalidOverrideError, ModelLoadError, UnknownBackendError
+from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
+from muser.identity import config_value, model_identity, read_config
+from verifier_gx.backends.torch_backend import DTYPES, _set_rope_theta
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_IN_PROCESS_ENGINES: list[object] = []  # never shut down before exit (module docstring)
+KV_SEQUENCES = 4
+"""Default KV pool: room for this many full-context sequences (the held one, the rolled-back
+tails the prefix cache keeps, and slack). vLLM's own CPU default takes most of the RAM."""
+
+
+def default_kv_cache_bytes(path: str | os.PathLike[str], context_length: int) -> int:
+    """KV bytes for `KV_SEQUENCES` sequences of `context_length + 1` tokens, counted at 4 bytes
+    a value from the checkpoint's own config (an overestimate for narrower dtypes or MLA)."""
+    config = read_config(Path(path).expanduser())
+    layers = int(config_value(config, "num_hidden_layers"))
+    heads = int(config_value(config, "num_attention_heads"))
+    kv_heads = int(config_value(config, "num_key_value_heads") or heads)
+    head_dim = int(config_value(config, "head_dim") or config_value(config, "hidden_size") // heads)
+    per_token = 2 * layers * kv_heads * head_dim * 4
+    return max(64 << 20, KV_SEQUENCES * (context_length + 1) * per_token)
+
+
+class RowCapture:
+    """Worker extension: keep the final hidden rows the engine computes; turn the requested
+    ones into logits. Mixed into vLLM's worker class, so `self` is the worker."""
+
+    def muser_install_row_hook(self) -> str:
+        """Hook the model's forward (once); drop rows kept so far. Returns the model class."""
+        model = self.model_runner.get_model()
+        self._muser_kept = []
+        if getattr(self, "_muser_hook", None) is None:
+
+            def keep(_module, _args, kwargs, output) -> None:
+                hidden = output[0] if isinstance(output, tuple) else output
+                positions, ids = kwargs.get("positions"), kwargs.get("input_ids")
+                if positions is None or ids is None or positions.dim() != 1:
+                    raise RuntimeError("row capture needs 1-D positions and token ids")
+                n = min(len(positions), len(ids), len(hidden))
+                self._muser_kept.append(
+                    (positions[:n].tolist(), ids[:n].tolist(), hidden[:n].detach().clone())
+                )
+
+            self._muser_hook = model.register_forward_hook(keep, with_kwargs=True)
+        return type(model).__name__
+
+    def muser_take_rows(
+        self, start: int, tokens: list[int]
+    ) -> tuple[int, bytes, tuple[int, int]] | None:
+        """Logits of positions [start, len(tokens)) as float32 bytes, and the kept rows dropped.
+
+        Returns (first, data, shape): `first` is the lowest position from which every
+        position up to the end was computed; when `first > start`, `data` is empty and the
+        caller must recompute. A rank whose `compute_logits` returns None (a tensor-parallel
+        rank other than the first) answers None.
+        """
+        import torch
+
+        kept, self._muser_kept = self._muser_kept, []
+        end = len(tokens)
+        found: dict[int, tuple[int, int]] = {}
+        for c, (positions, ids, _) in enumerate(kept):
+            for r, (p, t) in enumerate(zip(positions, ids, strict=True)):
+                if start <= p < end and p not in found:
+                    if t != tokens[p]:
+                        raise RuntimeError(f"captured token {t} at position {p}, sent {tokens[p]}")
+                    found[p] = (c, r)
+        first = end
+        while first > start and first - 1 in found:
+            first -= 1
+        if first > start:
+            return first, b"", (0, 0)
+        hidden = torch.stack([kept[c][2][r] for c, r in (found[p] for p in range(start, end))])
+        with torch.inference_mode():
+            logits = self.model_runner.get_model().compute_logits(hidden)
+        if logits is None:
+            return None
+        rows = logits.to("cpu", torch.float32).contiguous().numpy()
+        return start, rows.tobytes(), rows.shape
+
+
+def _override_config(hf_config, *, rope_theta: float | None, max_positions: int | None):
+    """vLLM `hf_overrides` hook: the overrides take effect in the model vLLM builds."""
+    if rope_theta is not None:
+        _set_rope_theta(hf_config, rope_theta)
+    if max_positions is not None:
+        hf_config.max_position_embeddings = max_positions
+    return hf_config
+
+
+class VllmBackend:
+    """A causal LM under vLLM's engine, holding one sequence (`ModelBackend`).
+
+    `block_size` is the prefix-cache granularity: a round recomputes at most
+    `block_size - 1` held tokens besides its new ones (vLLM's CPU attention takes multiples
+    of 32). `kv_cache_bytes` sizes the KV pool (default: `default_kv_cache_bytes`).
+    """
+
+    identity: ModelIdentity
+    geometry: Geometry
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "auto",
+        dtype: Dtype = "float32",
+        context_length: int | None = None,
+        rope_theta: float | None = None,
+        block_size: int = 32,
+        kv_cache_bytes: int | None = None,
+        engine_process: bool = False,
+    ) -> None:
+        # vLLM logs to stdout unless told otherwise; stdout belongs to the CLI (`--json`).
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise UnknownBackendError(
+                f"target backend 'vllm' needs the vllm package, which this environment lacks "
+                f"({exc}); build .venv-vllm with `make vllm-env` and run from it"
+            ) from exc
+        if dtype not in DTYPES:
+            raise InvalidOverrideError(f"dtype {dtype!r} is not one of {DTYPES}")
+        for name, value in (("block_size", block_size), ("kv_cache_bytes", kv_cache_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InvalidOverrideError(f"{name} {value!r} is invalid: expected an integer")
+            if value is not None and value < 1:
+                raise InvalidOverrideError(f"{name} {value!r} is invalid: expected ≥ 1")
+        self.identity = model_identity(path)
+        self.geometry = read_geometry(path, context_length=context_length, rope_theta=rope_theta)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.device = self._check_device(device)
+        self.engine_tokens = 0
+        """Positions the engine computed (all requests): the cost the prefix cache saves."""
+        self.full_recomputes = 0
+        """Requests repeated with the prefix cache bypassed (see the module docstring)."""
+        self._tokens: list[int] = []
+        if kv_cache_bytes is None:
+            kv_cache_bytes = default_kv_cache_bytes(path, self.geometry.context_length)
+        self.kv_cache_bytes = kv_cache_bytes
+        self._llm = self._start(path, rope_theta, kv_cache_bytes, engine_process)
+
+    @staticmethod
+    def _check_device(device: str) -> str:
+        from vllm.platforms import current_platform
+
+        built = current_platform.device_type
+        if device not in ("auto", built, f"{built}:0"):
+            raise InvalidOverrideError(
+                f"device {device!r} refused: this vLLM build runs on {built!r} "
+                f"(use 'auto' or {built!r}; pick a GPU with CUDA_VISIBLE_DEVICES)"
+            )
+        return built
+
+    def _start(self, path, rope_theta, kv_cache_bytes, engine_process: bool):
+        from vllm import LLM
+
+        # One position past the context: vLLM wants room for the token each request samples.
+        max_model_len = self.geometry.context_length + 1
+        configured = read_geometry(path).context_length
+        overrides = functools.partial(
+            _override_config,
+            rope_theta=None if rope_theta is None else float(rope_theta),
+            max_positions=max_model_len if max_model_len > configured else None,
+        )
+        os.environ[_MULTIPROCESSING_ENV] = "1" if engine_process else "0"
+        try:
+            llm = LLM(
+                model=str(path),
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                enable_prefix_caching=True,
+                block_size=self.block_size,
+                enforce_eager=True,
+                seed=0,
+                hf_overrides=overrides,
+                kv_cache_memory_bytes=kv_cache_bytes,
+                worker_extension_cls=f"{__name__}.{RowCapture.__qualname__}",
+                disable_log_stats=True,
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{path}: vLLM could not load the checkpoint ({exc})") from exc
+        if not engine_process:
+            _IN_PROCESS_ENGINES.append(llm)
+        llm.collective_rpc("muser_install_row_hook")
+        return llm
+
+    @property
+    def device_label(self) -> str:
+        """Where the rows are computed, as `muser status` reports it: "vllm:cpu"…"""
+        return f"vllm:{self.device}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.identity.vocab_size
+
+    @property
+    def length(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens`; float64 logits (len(tokens), vocab_size), positions from `length`."""
+        ids = check_tokens(tokens, self.vocab_size)
+        check_room(self.length, len(ids), self.geometry.context_length)
+        if not ids:
+            return np.zeros((0, self.vocab_size))
+        sequence = self._tokens + ids
+        start = len(self._tokens)
+        # From position 0 every row is needed, so a cache hit could only force a second pass.
+        logits = self._run(sequence, start, use_cache=start > 0)
+        if logits is None:
+            self.full_recomputes += 1
+            logits = self._run(sequence, start, use_cache=False)
+            if logits is None:
+                raise RuntimeError("vLLM computed no rows although the prefix cache was off")
+        self._tokens = sequence
+        return logits[:, : self.vocab_size].astype(np.float64)
+
+    def _run(self, sequence: list[int], start: int, *, use_cache: bool) -> np.ndarray | None:
+        """One engine request over `sequence`; the logits of [start, end), None if cached."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            skip_reading_prefix_cache=not use_cache,
+        )
+        prompt = TokensPrompt(prompt_token_ids=sequence)
+        (out,) = self._llm.generate([prompt], params, use_tqdm=False)
+        self.engine_tokens += len(sequence) - (out.num_cached_tokens or 0)
+        replies = self._llm.collective_rpc("muser_take_rows", args=(start, sequence))
+        first, data, shape = next(r for r in replies if r is not None)
+        if first > start:
+            return None
+        return np.frombuffer(data, dtype=np.float32).reshape(shape)
+
+    def rollback(self, n: int) -> None:
+        """Drop the last `n` tokens (refuses n < 0 or n > length).
+
+        Only the held list shrinks: the engine's cached blocks are addressed by the hash of
+        their whole prefix, so blocks past the new end are never read for other tokens.
+        """
+        check_rollback(n, self.length)
+        if n:
+            del self._tokens[-n:]
+
+    def reset(self) -> None:
+        """Drop the whole sequence (the engine's prefix cache stays warm)."""
+        self._tokens.clear()
