@@ -68,7 +68,9 @@ def check_identities(
             )
 
 
-def check_params(o: SessionOpen, limits: Limits, vocab: int, num_layers: int | None) -> None:
+def check_params(
+    o: SessionOpen, limits: Limits, vocab: int, num_layers: int | None, can_capture: bool = True
+) -> None:
     if o.params.max_tokens > limits.max_tokens:
         raise InvalidSamplingParamsError(
             f"max_tokens {o.params.max_tokens} exceeds limits.max_tokens {limits.max_tokens}"
@@ -78,6 +80,11 @@ def check_params(o: SessionOpen, limits: Limits, vocab: int, num_layers: int | N
             raise TokenOutOfVocabularyError(
                 f"stop token {token} outside the vocabulary [0, {vocab})"
             )
+    if o.capture_layers and not can_capture:
+        raise CaptureLayerError(
+            f"capture layers {list(o.capture_layers)} requested, but this verifier's target "
+            "backend cannot capture hidden rows: open the session without capture layers"
+        )
     for layer in o.capture_layers:
         if num_layers is not None and not 0 <= layer < num_layers:
             raise CaptureLayerError(

@@ -222,7 +222,13 @@ class SessionManager:
             public = self._proposer_key(o.proposer_key_id)
             keys.verify(public, o.signed_message(req.epoch), req.signature, "session open")
             check_identities(o, self.target, self.qualified_draft)
-            check_params(o, self.limits, self.target.vocab_size, self.num_layers)
+            check_params(
+                o,
+                self.limits,
+                self.target.vocab_size,
+                self.num_layers,
+                can_capture=hasattr(self.backend, "evaluate_capture"),
+            )
             if o.genesis_head() != req.genesis_head:
                 raise GenesisMismatchError(
                     f"genesis head {req.genesis_head.hex()} received, "

@@ -129,7 +129,8 @@ async def test_reopen_is_idempotent_and_epochs_fence(verifier):
     assert (again.head, again.next_round, again.epoch) == (client.head, 2, 2)
     assert verifier.wal_seq == seq
     await refused(verifier, client.open_session(epoch=1), C.ABORTED, "stale_epoch")
-    different = dataclasses.replace(client.open, capture_layers=(0,))
+    fewer = dataclasses.replace(client.open.params, max_tokens=PARAMS.max_tokens - 1)
+    different = dataclasses.replace(client.open, params=fewer)
     await refused(
         verifier, client.open_session(open_=different), C.ALREADY_EXISTS, "session_conflict"
     )
@@ -227,6 +228,14 @@ async def test_capture_layer_outside_the_target(key_set, tmp_path):
         assert "[0, 2)" in details
     finally:
         await v.stop()
+
+
+async def test_capture_layers_on_a_backend_that_cannot_capture_are_refused(verifier):
+    # the fixture verifier's FakeBackend has no evaluate_capture (like the vLLM backend)
+    client = verifier.client(PARAMS, capture_layers=(0,))
+    details = await refused(verifier, client.open_session(), C.INVALID_ARGUMENT, "capture_layer")
+    assert "cannot capture hidden rows" in details
+    assert not verifier.manager.replay.sessions  # nothing opened, nothing journaled
 
 
 async def test_session_longer_than_the_context_window_is_refused(verifier):
