@@ -71,10 +71,7 @@ async def start(
 async def cluster(key_set, tmp_path):
     c = await start(key_set, tmp_path)
     yield c
-    await c.channel.close()
-    await c.server.stop(None)
-    c.server.core.log.close()
-    await c.verifier.stop()
+    await stop(c)
 
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
@@ -172,10 +169,7 @@ async def test_a_proposer_without_the_target_files_asks_the_verifier(key_set, tm
         tokens = [t for e in events for t in e.tokens]
         assert len(tokens) == PARAMS.max_tokens
     finally:
-        await c.channel.close()
-        await c.server.stop(None)
-        c.server.core.log.close()
-        await c.verifier.stop()
+        await stop(c)
 
 
 class OtherTokenizerDraft(FakeBackend):
