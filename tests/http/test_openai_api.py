@@ -150,6 +150,24 @@ def test_stop_strings_cut_the_text_and_end_generation(client, model_id, prompt, 
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_the_stream_is_the_cluster_lanes_tokens_for_the_same_seed(
+    client, model_id, prompt, tokenizer, http_cluster, local_sampled
+):
+    cluster = lane_text(
+        tokenizer, "cluster", prompt, "--config", str(http_cluster.config_path),
+        "--temperature", "1", "--seed", str(SEED),
+    )  # fmt: skip
+    chunks = client.completions.create(
+        model=model_id,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=1,
+        seed=SEED,
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cluster == local_sampled
+
+
 def emitted_total(base_url: str) -> float:
     """The proposer's muser_emitted_tokens_total, once it stops moving."""
     import time
