@@ -64,9 +64,6 @@ class VerifierNode(_Strict):
     key: Path = Field(description="The verifier's Ed25519 private key (PEM, 0600).")
     public_key: Path = Field(description="Its public key; proposers enrol it.")
     wal_dir: Path = Field(description="Commit WAL directory (the log lives in WAL_DIR/commit).")
-    fragments_dir: Path | None = Field(
-        None, description="Fragment store directory (default: WAL_DIR/fragments)."
-    )
     target: Path = Field(description="Target checkpoint directory (Hugging Face format).")
     backend: Literal["torch", "vllm"] = Field(
         "torch", description="Target backend; it must produce full probability rows."
@@ -81,10 +78,6 @@ class VerifierNode(_Strict):
 
     _addr = field_validator("address", "bind", "http")(_check_address)
     _backend = field_validator("backend", mode="before")(_check_target_backend)
-
-    @property
-    def fragment_dir(self) -> Path:
-        return self.fragments_dir or Path(self.wal_dir) / "fragments"
 
     @property
     def bind_address(self) -> str:
@@ -255,7 +248,6 @@ PATH_KEYS = {
     "key",
     "public_key",
     "wal_dir",
-    "fragments_dir",
     "target",
     "draft",
     "ca",

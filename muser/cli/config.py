@@ -173,7 +173,6 @@ def run_check(args: argparse.Namespace) -> int:
 def resolved(config) -> dict:
     """The configuration as the daemons use it: defaults filled in, paths absolute."""
     out = config.model_dump(mode="json")
-    out["verifier"]["fragments_dir"] = str(config.verifier.fragment_dir)
     for role in ("verifier", "proposer"):
         out[role]["bind"] = getattr(config, role).bind_address
     return out

@@ -313,7 +313,7 @@ def test_show_prints_the_resolved_configuration(cluster_file, capsys):
     as_toml = tomllib.loads(capsys.readouterr().out)
     assert as_toml == as_json
     root = cluster_file.parent.resolve()
-    assert as_json["verifier"]["fragments_dir"] == str(root / "wal" / "verifier" / "fragments")
+    assert as_json["verifier"]["wal_dir"] == str(root / "wal" / "verifier")
     assert as_json["verifier"]["bind"] == as_json["verifier"]["address"]
     assert as_json["tls"]["client"]["key"] == str(root / "keys" / "tls" / "client.key")
     assert as_json["lane"]["draft_len_min"] == as_json["lane"]["draft_len"] == 4
