@@ -114,12 +114,18 @@ class ProposerNode(_Strict):
 
 
 class Lane(_Strict):
-    draft_len: int = Field(4, ge=0, le=64, description="Drafts per round D a session starts at.")
+    draft_len: int = Field(
+        4, ge=0, le=64, description="Drafts per round D of a session that does not ask for one."
+    )
     draft_len_min: int = Field(
-        None, ge=0, le=64, description="Smallest D a session may use (default: draft_len)."
+        None,
+        ge=0,
+        le=64,
+        description="Smallest D a session may ask for; the proposer refuses others "
+        "(default: draft_len).",
     )
     draft_len_max: int = Field(
-        None, ge=0, le=64, description="Largest D a session may use (default: draft_len)."
+        None, ge=0, le=64, description="Largest D a session may ask for (default: draft_len)."
     )
     q_top_k: int = Field(32, ge=1, le=4096, description="Sparse draft row width.")
     capture_layers: list[int] = Field(

@@ -143,7 +143,13 @@ class ProposerCore:
         bad = [t for t in prompt if t >= vocab]
         if bad:
             raise RefusedError(f"prompt token {bad[0]} outside the vocabulary [0, {vocab})")
-        draft_len = draft_len or self.config.lane.draft_len
+        lane = self.config.lane
+        draft_len = draft_len or lane.draft_len
+        if not lane.draft_len_min <= draft_len <= lane.draft_len_max:
+            raise RefusedError(
+                f"draft_len {draft_len} is outside the cluster's lane range "
+                f"[{lane.draft_len_min}, {lane.draft_len_max}] (lane.draft_len_min/_max)"
+            )
         session = ProposerSession.create(
             prompt,
             params,

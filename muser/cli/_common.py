@@ -29,6 +29,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+LOCAL_DRAFT_LEN = 4
+"""D of the local lane when --draft-len is not given."""
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the built fixture pair)")
     g.add_argument("--target", type=Path, help="target checkpoint directory (Hugging Face format)")
@@ -45,7 +49,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["torch", "mlx"],
         help="draft backend: torch (default here) or mlx (Metal on a Mac, CPU elsewhere)",
     )
-    g.add_argument("--draft-len", type=int, default=4, help="drafts per round D (default 4)")
+    g.add_argument(
+        "--draft-len",
+        type=int,
+        default=None,
+        help="drafts per round D (default 4; with --lane cluster: the cluster's lane.draft_len)",
+    )
     g.add_argument(
         "--draft-window",
         type=int,
@@ -116,6 +125,8 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
     target = load_target_backend(args.target_backend, target_dir, **overrides)
     draft = None
     if need_draft:
+        if args.draft_len is None:
+            args.draft_len = LOCAL_DRAFT_LEN
         if args.draft_len < 0:
             raise RefusedError(f"--draft-len must be >= 0, got {args.draft_len}")
         draft = load_draft_backend(

@@ -133,7 +133,7 @@ def generate_cluster(args: argparse.Namespace, params: SamplingParams, text: str
         config.proposer.address,
         text,
         params,
-        draft_len=args.draft_len,
+        draft_len=args.draft_len or 0,  # 0: the cluster's lane.draft_len
         on_event=None if args.json else show,
         max_message_bytes=config.limits.max_message_bytes,
         tls=config.tls,

@@ -41,7 +41,14 @@ class Cluster:
 
 
 async def start(
-    key_set, tmp_path, *, enrol_stranger=False, ask_identity=False, speculate=True, **limits
+    key_set,
+    tmp_path,
+    *,
+    enrol_stranger=False,
+    ask_identity=False,
+    speculate=True,
+    lane=None,
+    **limits,
 ):
     verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
     await verifier.start()
@@ -55,7 +62,7 @@ async def start(
             "verifier": cfg.verifier.model_copy(update={"address": f"127.0.0.1:{verifier.port}"}),
             "proposer": cfg.proposer.model_copy(update={"address": "127.0.0.1:0"}),
             "enrolment": enrolment,
-            "lane": cfg.lane.model_copy(update={"speculate": speculate}),
+            "lane": cfg.lane.model_copy(update={"speculate": speculate, **(lane or {})}),
         }
     )
     server, port = await create_server(
@@ -262,3 +269,23 @@ async def test_cancel_ends_the_session_after_the_round_in_flight(cluster):
             break
         await asyncio.sleep(0.01)
     assert sid in cluster.verifier.manager.replay.closed
+
+
+@pytest.mark.asyncio
+async def test_a_session_may_ask_for_a_draft_len_inside_the_lane_range_only(key_set, tmp_path):
+    c = await start(
+        key_set, tmp_path, lane={"draft_len": 3, "draft_len_min": 1, "draft_len_max": 3}
+    )
+    try:
+        events = await c.generate(PARAMS, prompt_tokens=PROMPT, draft_len=2)
+        runner = c.server.core.runners[events[0].session_id]
+        assert runner.session.draft_len == 2 and runner.stats.drafted <= 2 * runner.stats.rounds
+        for outside in (4, 9):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.generate(PARAMS, prompt_tokens=PROMPT, draft_len=outside)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"draft_len {outside} is outside the cluster's lane range [1, 3]" in (
+                err.value.details()
+            )
+    finally:
+        await stop(c)
