@@ -91,3 +91,30 @@ def test_generate_cli_on_vllm_prints_clean_json_equal_to_torch(natural) -> None:
     torch_target.reset()
     params = SamplingParams(temperature=0.0, max_tokens=64)
     assert got == run_plain(torch_target, encode_prompt(tok, text), params).tokens
+
+
+def test_greedy_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_path) -> None:
+    """Real daemons on loopback, the verifier's target under vLLM (qualified for real on that
+    backend): 3 prompts x 128 greedy tokens equal torch's plain decode."""
+    from muser.cli.cluster_client import stream_generate
+    from tests.cluster.conftest import make_cluster
+
+    tok, torch_target, _, _ = natural
+    pair = build_fixtures(progress=False).natural
+    cluster = make_cluster(
+        tmp_path,
+        pair,
+        edit=lambda text: text.replace('backend = "torch"', 'backend = "vllm"', 1),
+    )
+    assert cluster.config.verifier.backend == "vllm"
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    cluster.start()
+    try:
+        for i, text in enumerate(natural_prompts(3)):
+            prompt = encode(tok, text)
+            torch_target.reset()
+            oracle = run_plain(torch_target, prompt, params).tokens
+            got = stream_generate(cluster.address, prompt, params)["tokens"]
+            assert got == oracle, f"prompt {i}: the vLLM-verified cluster differs from plain"
+    finally:
+        cluster.stop()
