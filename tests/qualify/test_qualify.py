@@ -7,6 +7,7 @@ on the fixture pair (tests/qualify/receipts.py), once per test process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -377,10 +378,16 @@ def test_a_verifier_without_the_draft_files_binds_the_receipts_draft_at_open(
     config = load_config(qualified)
     receipt = q.require_receipt(config)  # the files are elsewhere: the receipt's draft stands
     draft = receipt.binding.draft
-    server, _ = create_server(config)
-    assert server.manager.qualified_draft == (draft.model_digest, draft.tokenizer_digest)
 
-    target = server.manager.target
+    async def built():  # grpc.aio wants a running loop to build its server in
+        server, _ = create_server(config)
+        server.manager.log.close()
+        return server.manager
+
+    manager = asyncio.run(built())
+    assert manager.qualified_draft == (draft.model_digest, draft.tokenizer_digest)
+
+    target = manager.target
 
     def opened_with(model_digest: str):
         ident = SimpleNamespace(
@@ -395,11 +402,10 @@ def test_a_verifier_without_the_draft_files_binds_the_receipts_draft_at_open(
         )
         return SimpleNamespace(target=own, draft=ident)
 
-    check_identities(opened_with(draft.model_digest), target, server.manager.qualified_draft)
+    check_identities(opened_with(draft.model_digest), target, manager.qualified_draft)
     with pytest.raises(ModelMismatchError, match="not the draft this lane was qualified with"):
-        check_identities(opened_with("0" * 64), target, server.manager.qualified_draft)
+        check_identities(opened_with("0" * 64), target, manager.qualified_draft)
     # the backend/dtype the proposer runs are still the config's, and still bound
-    server.manager.log.close()
     edit(qualified, 'backend = "torch"\n\n[lane]', 'backend = "mlx"\n\n[lane]')
     with pytest.raises(q.QualificationError, match="draft backend"):
         q.require_receipt(load_config(qualified))
