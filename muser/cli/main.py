@@ -14,7 +14,7 @@ import sys
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("muser.cli.generate", "generate text (lanes: plain, local, cluster)"),
-    "keygen": ("muser.cli.keygen", "write Ed25519 key pairs"),
+    "keygen": ("muser.cli.keygen", "write Ed25519 key pairs (--tls: a CA and mTLS certificates)"),
     "config": ("muser.cli.config", "write, check and show the cluster file"),
     "qualify": ("muser.cli.qualify", "qualify the lane against plain decode; sign a receipt"),
     "verifier": ("muser.cli.verifier", "the verifier daemon (target, commit WAL, signatures)"),
