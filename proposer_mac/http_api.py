@@ -32,6 +32,7 @@ from cluster_config import ClusterConfig
 from muser.errors import MuserError, RefusedError
 from muser.sampling import SamplingParams
 from proposer_mac.link import LinkDown
+from proposer_mac.text_stream import TextStream
 
 log = logging.getLogger("muser.http")
 
@@ -352,72 +353,6 @@ def simple_chat_prompt(messages: list[dict[str, str]]) -> str:
 
 
 # --- durable tokens -> text -----------------------------------------------------------------
-
-
-class TextStream:
-    """Durable tokens in, text deltas out.
-
-    Every feed decodes the whole token list, so a character or merge split across tokens
-    comes out whole; a trailing partial character (U+FFFD) and any tail that could begin a
-    stop string are held back until the next feed, and only text that extends what was
-    already sent is emitted. The first stop string found cuts the text and ends the stream.
-    """
-
-    def __init__(self, tokenizer, stops: Sequence[str] = ()):
-        self.tokenizer, self.stops = tokenizer, tuple(stops)
-        self.tokens: list[int] = []
-        """Tokens the text covers: all fed, or those through the one completing a stop."""
-        self.sent = ""
-        self.stopped = False
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
-
-    def feed(self, tokens: Sequence[int], *, final: bool = False) -> str:
-        """Add durable tokens; return the text now safe to send (`final`: send the rest)."""
-        before = len(self.tokens)
-        self.tokens += tokens
-        text = self.decode(self.tokens)
-        cut = self._find_stop(text)
-        if cut is not None:
-            start, end = cut
-            self.stopped = True
-            self.tokens = self.tokens[: self._tokens_through(text[:end], before)]
-            return self._extend(text[:start], last=True)
-        if not final:
-            text = text[: len(text) - self._holdback(text)]
-        return self._extend(text, last=final)
-
-    def _find_stop(self, text: str) -> tuple[int, int] | None:
-        """The earliest stop occurrence not already inside the sent text: (start, end)."""
-        longest = max((len(s) for s in self.stops), default=0)
-        since = max(0, len(self.sent) - longest + 1)
-        found = [(i, i + len(s)) for s in self.stops if (i := text.find(s, since)) >= 0]
-        return min(found) if found else None
-
-    def _tokens_through(self, prefix: str, before: int) -> int:
-        """The fewest tokens whose text covers `prefix` (the stop string's last token
-        counts: it was generated for this request)."""
-        for k in range(before + 1, len(self.tokens)):
-            if self.decode(self.tokens[:k]).startswith(prefix):
-                return k
-        return len(self.tokens)
-
-    def _holdback(self, text: str) -> int:
-        """Characters at the end of `text` not yet safe to send."""
-        whole = text.rstrip("\ufffd")
-        partial = 0
-        for stop in self.stops:
-            partial = max([partial] + [k for k in range(1, len(stop)) if whole.endswith(stop[:k])])
-        return len(text) - len(whole) + partial
-
-    def _extend(self, text: str, *, last: bool) -> str:
-        if not text.startswith(self.sent):  # an earlier character changed: wait for it to settle
-            if last:
-                log.warning("decoded text %r does not extend the text sent %r", text, self.sent)
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
 
 
 def finish_reason(session) -> str:
