@@ -127,6 +127,21 @@ class Lane(_Strict):
     draft_len_max: int = Field(
         None, ge=0, le=64, description="Largest D a session may ask for (default: draft_len)."
     )
+    width: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="How a session that asks for no D gets one: `adaptive` chooses each "
+        "round's D in [draft_len_min, draft_len_max] from the session's measured acceptance "
+        "and costs (starting at draft_len; D = 0 is the singleton mode); `fixed` runs "
+        "draft_len. A range of one value is fixed either way.",
+    )
+    decode_len: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="Tokens a round without drafts (D = 0) asks the verifier to sample itself, "
+        "one target step each (verifier-side decode: the wire is paid once per decode_len "
+        "tokens; the text is that of decode_len singleton rounds). The verifier refuses more.",
+    )
     q_top_k: int = Field(32, ge=1, le=4096, description="Sparse draft row width.")
     capture_layers: list[int] = Field(
         default_factory=list,
@@ -188,6 +203,35 @@ class Limits(_Strict):
         8 * 1024 * 1024, ge=1024, description="Largest gRPC message either daemon accepts."
     )
     max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a session may ask for.")
+    kv_sessions: int = Field(
+        16,
+        ge=1,
+        description="Sessions whose target KV the verifier keeps at once; beyond it the least "
+        "recently used session's KV is dropped and re-evaluated from its transcript on its next "
+        "round (memory per session: layers x 2 x kv heads x head dim x tokens).",
+    )
+    max_batch: int = Field(
+        8,
+        ge=1,
+        description="Most rounds (of different sessions) the verifier evaluates in one target "
+        "forward; at most kv_sessions.",
+    )
+    round_queue: int = Field(
+        64,
+        ge=1,
+        description="Rounds that may wait for the target at once; a round that finds the queue "
+        "full is refused (RESOURCE_EXHAUSTED, round_queue_full) with nothing written, to be "
+        "sent again after a backoff.",
+    )
+
+    @model_validator(mode="after")
+    def _batch_fits_the_kv(self) -> Limits:
+        if self.max_batch > self.kv_sessions:
+            raise ValueError(
+                f"expected max_batch <= kv_sessions (a batch keeps every member's KV), got "
+                f"max_batch {self.max_batch} > kv_sessions {self.kv_sessions}"
+            )
+        return self
 
 
 TLS_ROLES = ("verifier", "proposer", "client")

@@ -8,6 +8,14 @@ normalisation) happens on the host in float64 (`muser.sampling`).
 
 Target backends (`verifier_gx.backends`) and draft backends (`proposer_mac.backends`)
 implement the same contract, so one contract test suite runs against all of them.
+
+Optional capability, `MultiSequenceBackend` (the verifier serves many sessions on one model):
+`sequence()` returns a new `ModelBackend` over the same weights with its own, empty KV, and
+`evaluate_batch([(sequence, tokens), ...])` appends each `tokens` to its sequence in one
+forward, returning each sequence's rows exactly as `sequence.evaluate(tokens)` would (up to
+float rounding). A backend without it (vLLM, the test fakes) still serves many sessions: they
+share its one KV, re-evaluated when sessions interleave (`muser.cursor`), and
+`evaluate_batch` below runs the sequences one after another.
 """
 
 from __future__ import annotations
@@ -69,3 +77,38 @@ class ModelBackend(Protocol):
     def reset(self) -> None:
         """Drop the whole cache."""
         ...
+
+
+@runtime_checkable
+class MultiSequenceBackend(ModelBackend, Protocol):
+    """A backend holding many sequences' KV over one model's weights (see the module doc)."""
+
+    @property
+    def can_batch(self) -> bool:
+        """False when this model cannot take the batched path (`sequence()` then refuses)."""
+        ...
+
+    def sequence(self) -> ModelBackend:
+        """A new sequence with an empty KV over the same weights."""
+        ...
+
+    def evaluate_batch(
+        self, work: Sequence[tuple[ModelBackend, Sequence[int]]]
+    ) -> list[np.ndarray]:
+        """Append each `tokens` to its sequence (made by `sequence()`) in one forward. On an
+        error a sequence may keep what it appended; its `length` says so (callers roll back)."""
+        ...
+
+
+def batches(backend: object) -> bool:
+    """Whether `backend` offers per-sequence KV and batched forwards."""
+    return isinstance(backend, MultiSequenceBackend) and bool(backend.can_batch)
+
+
+def evaluate_batch(
+    backend: object, work: Sequence[tuple[ModelBackend, Sequence[int]]]
+) -> list[np.ndarray]:
+    """`backend.evaluate_batch(work)` when it batches; else each sequence's `evaluate` in turn."""
+    if batches(backend):
+        return backend.evaluate_batch(work)  # type: ignore[attr-defined]
+    return [seq.evaluate(tokens) for seq, tokens in work]

@@ -44,6 +44,13 @@ class KvCursor:
             i += 1
         return i
 
+    def reusable(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the cache already holds for this cursor (what `hold`
+        and `sync` will not re-evaluate)."""
+        if getattr(self.backend, "_muser_cursor", None) is not self:
+            return 0
+        return self._common_prefix(tokens)
+
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached tokens."""
         self._claim()
@@ -62,6 +69,28 @@ class KvCursor:
         self.tokens.extend(int(t) for t in tokens)
         self.last_row = rows[-1]
         return rows
+
+    def record(self, tokens: Sequence[int], rows: np.ndarray) -> None:
+        """Note that `tokens` were evaluated after the cache outside this cursor (a batched
+        forward, a capture) with `rows` their logits: the cursor then holds them too."""
+        if getattr(self.backend, "_muser_cursor", None) is not self:
+            raise ValueError("record() after another cursor shaped the cache; hold() first")
+        if len(rows) != len(tokens):
+            raise ValueError(f"{len(rows)} rows recorded for {len(tokens)} tokens")
+        if tokens:
+            self.tokens.extend(int(t) for t in tokens)
+            self.last_row = rows[-1]
+
+    def realign(self) -> None:
+        """After an evaluate outside this cursor failed part-way (a batch that refused one
+        of its sequences after appending others): drop the KV the backend holds beyond this
+        cursor's tokens, so both agree again."""
+        if getattr(self.backend, "_muser_cursor", None) is not self:
+            return
+        extra = self.backend.length - len(self.tokens)
+        if extra > 0:
+            self.backend.rollback(extra)
+            self.last_row = None
 
     def hold(self, tokens: Sequence[int]) -> None:
         """Make the cache hold exactly `tokens` (possibly none); no row is needed."""

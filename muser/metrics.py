@@ -18,6 +18,7 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_speculation_hits_total            counter    speculative drafts used (guess held)
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
+    muser_rounds_by_draft_len_total{draft_len} counter rounds per draft width D (lane.width)
     muser_round_phase_seconds{phase}        histogram  per-round split: draft, transport,
                                                        verify, wal, sign
     muser_verifier_ceiling_tokens_per_second gauge     emitted / sum of verifier compute wall
@@ -25,6 +26,16 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_wal_bytes                         gauge      bytes on disk in the WAL directory
     muser_refusals_total{reason,code}       counter    refusals by reason and gRPC status
     muser_retries_total                     counter    retries answered from the WAL (verifier)
+
+Verifier only (rounds of many sessions batched into one target forward):
+
+    muser_batch_size                        histogram  rounds per target forward
+    muser_round_queue_depth                 gauge      rounds waiting for the target now
+    muser_round_queue_depth_max             gauge      most rounds queued at once
+    muser_round_queue_full_total            counter    rounds refused: queue full (round_queue)
+    muser_kv_sessions                       gauge      sessions holding target KV now
+    muser_kv_evictions_total                counter    sessions' KV dropped (kv_sessions cap)
+    muser_kv_rebuilt_tokens_total           counter    transcript tokens re-evaluated
 """
 
 from __future__ import annotations
@@ -44,9 +55,11 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from muser.stats import RATE_WINDOW_S, DaemonStats, Histogram, LaneStats
+from muser.stats import RATE_WINDOW_S, DaemonStats, Histogram, LaneStats, VerifierStats
 
 TOKENS_PER_ROUND_BUCKETS = (*range(1, 17), 24, 32, 48, 65)
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+"""Upper bounds for rounds per batch (limits.max_batch)."""
 """Upper bounds for tokens per round: one bucket per count up to 16 (draft_len <= 64)."""
 
 
@@ -66,6 +79,12 @@ class DaemonView:
     now: float
     """The daemon's clock now (the clock of `daemon.started`)."""
     retries: int | None = None
+    verifier: VerifierStats | None = None
+    """The verifier's batching and KV stats (None on the proposer)."""
+    round_queue: int | None = None
+    """Rounds waiting for the target now (verifier)."""
+    kv_sessions: int | None = None
+    """Sessions holding target KV now (verifier)."""
 
 
 def wal_bytes(directory: Path | None) -> int | None:
@@ -102,6 +121,7 @@ def status_fields(view: DaemonView) -> dict:
         "emitted": lane.emitted,
         "acceptance": lane.acceptance,
         "tokens_per_round": lane.tokens_per_round,
+        "rounds_by_draft_len": {str(k): n for k, n in sorted(lane.draft_len_hist.items())},
         "tokens_per_s": tokens_per_s(view),
         "uptime_s": view.now - view.daemon.started,
         "verifier_ceiling_tok_s": lane.verifier_ceiling if lane.verify_s > 0 else None,
@@ -140,6 +160,50 @@ def _tokens_per_round(lane: LaneStats) -> HistogramMetricFamily:
     buckets.append(("+Inf", float(lane.rounds)))
     family.add_metric([], buckets, float(lane.emitted))
     return family
+
+
+def _batch_sizes(stats: VerifierStats) -> HistogramMetricFamily:
+    family = HistogramMetricFamily("muser_batch_size", "Rounds evaluated per target forward.")
+    counts = sorted(stats.batch_sizes.items())
+    buckets = [
+        (floatToGoString(b), float(sum(n for k, n in counts if k <= b))) for b in BATCH_SIZE_BUCKETS
+    ]
+    buckets.append(("+Inf", float(stats.batches)))
+    family.add_metric([], buckets, float(sum(k * n for k, n in counts)))
+    return family
+
+
+def _verifier_families(v: DaemonView) -> Iterator[Metric]:
+    s = v.verifier
+    if s is None:
+        return
+    yield _batch_sizes(s)
+    if v.round_queue is not None:
+        yield GaugeMetricFamily(
+            "muser_round_queue_depth", "Rounds waiting for the target now.", value=v.round_queue
+        )
+    yield GaugeMetricFamily(
+        "muser_round_queue_depth_max", "Most rounds queued at once.", value=s.queue_depth_max
+    )
+    yield CounterMetricFamily(
+        "muser_round_queue_full",
+        "Rounds refused because the round queue was full (limits.round_queue).",
+        value=s.queue_full,
+    )
+    if v.kv_sessions is not None:
+        yield GaugeMetricFamily(
+            "muser_kv_sessions", "Sessions holding target KV now.", value=v.kv_sessions
+        )
+    yield CounterMetricFamily(
+        "muser_kv_evictions",
+        "Sessions whose target KV was dropped for another (limits.kv_sessions).",
+        value=s.kv_evictions,
+    )
+    yield CounterMetricFamily(
+        "muser_kv_rebuilt_tokens",
+        "Transcript tokens re-evaluated because a session's KV was not held.",
+        value=s.kv_rebuilt_tokens,
+    )
 
 
 class StatsCollector(Collector):
@@ -190,6 +254,14 @@ class StatsCollector(Collector):
             "muser_acceptance_ratio", "Accepted drafts / drafted tokens.", value=lane.acceptance
         )
         yield _tokens_per_round(lane)
+        widths = CounterMetricFamily(
+            "muser_rounds_by_draft_len",
+            "Rounds per draft width D: the width policy's choices (lane.width).",
+            labels=["draft_len"],
+        )
+        for depth, n in sorted(lane.draft_len_hist.items()):
+            widths.add_metric([str(depth)], float(n))
+        yield widths
         phases = HistogramMetricFamily(
             "muser_round_phase_seconds",
             "Per-round time split: draft, transport, verify (target compute + judge), wal "
@@ -222,6 +294,7 @@ class StatsCollector(Collector):
             yield CounterMetricFamily(
                 "muser_retries", "Retries answered with the committed result.", value=v.retries
             )
+        yield from _verifier_families(v)
 
 
 def registry(view: Callable[[], DaemonView]) -> CollectorRegistry:

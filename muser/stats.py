@@ -123,10 +123,16 @@ class LaneStats:
     wal_s: float = 0.0
     sign_s: float = 0.0
     tokens_per_round_hist: dict[int, int] = field(default_factory=dict)
+    draft_len_hist: dict[int, int] = field(default_factory=dict)
+    """Rounds per draft width D (the width policy's choices, `muser.width`)."""
+    width: dict | None = None
+    """The width policy's state after the last round (`WidthPolicy.to_dict`), per session."""
     speculated: int = 0
     """Rounds drafted ahead, on the guess that the round before is fully accepted."""
     speculation_hits: int = 0
     """Speculative drafts used (the guess held); the rest were drafted again."""
+    queue_full_retries: int = 0
+    """Rounds re-sent because the verifier's round queue was full (proposer)."""
     speculation_s: float = 0.0
     """Draft-thread wall spent speculating, off the critical path while rounds are away."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
@@ -154,6 +160,7 @@ class LaneStats:
         self.accepted += accepted
         self.emitted += emitted
         self.tokens_per_round_hist[emitted] = self.tokens_per_round_hist.get(emitted, 0) + 1
+        self.draft_len_hist[drafted] = self.draft_len_hist.get(drafted, 0) + 1
         self.draft_s += draft_s
         self.transport_s += transport_s
         self.verify_s += verify_s
@@ -177,10 +184,15 @@ class LaneStats:
         for name in (
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
+            "queue_full_retries",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for k, n in other.tokens_per_round_hist.items():
-            self.tokens_per_round_hist[k] = self.tokens_per_round_hist.get(k, 0) + n
+        for mine, theirs in (
+            (self.tokens_per_round_hist, other.tokens_per_round_hist),
+            (self.draft_len_hist, other.draft_len_hist),
+        ):
+            for k, n in theirs.items():
+                mine[k] = mine.get(k, 0) + n
         for phase, histogram in other.phases.items():
             mine = self.phases.setdefault(phase, Histogram(histogram.bounds, histogram.keep))
             mine.merge(histogram)
@@ -231,6 +243,8 @@ class LaneStats:
                 "hits": self.speculation_hits,
                 "seconds": round(self.speculation_s, 6),
             },
+            "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},
+            "width": self.width,
         }
 
 
@@ -264,10 +278,43 @@ class DaemonStats:
 
 @dataclass
 class VerifierStats(LaneStats, DaemonStats):
-    """The verifier's rounds (no draft or transport phase there) plus its daemon stats."""
+    """The verifier's rounds (no draft or transport phase there) plus its daemon stats.
+
+    Batching conventions: a batch is the rounds of different sessions evaluated in one target
+    forward; a batched round's `verify_s` is its share of the batch's compute wall (so the sum
+    stays the target's wall and the ceiling stays a bound). The queue is the rounds waiting
+    for the target; `queue_full` counts rounds refused because it was full."""
 
     retries: int = 0
     phases: dict[str, Histogram] = field(default_factory=lambda: _phase_histograms(VERIFIER_PHASES))
+    batches: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    """Batch size -> batches of that size."""
+    queue_depth_max: int = 0
+    """Most rounds waiting for the target at once (the batch computing not included)."""
+    queue_full: int = 0
+    """Rounds refused because the round queue was full (limits.round_queue)."""
+    kv_evictions: int = 0
+    """Sessions whose target KV was dropped for another (limits.kv_sessions)."""
+    kv_rebuilt_tokens: int = 0
+    """Transcript tokens re-evaluated because a session's KV was not held (first round after
+    an eviction or a restart, or sessions interleaving on a backend with one shared KV)."""
+
+    def observe_batch(self, size: int, waiting: int) -> None:
+        """A batch of `size` rounds starts; `waiting` rounds stay queued behind it."""
+        self.batches += 1
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+
+    def observe_queue(self, waiting: int) -> None:
+        """A round joined the queue; `waiting` rounds wait now."""
+        self.queue_depth_max = max(self.queue_depth_max, waiting)
+
+    @property
+    def mean_batch(self) -> float:
+        """Rounds per batch."""
+        return (
+            sum(k * n for k, n in self.batch_sizes.items()) / self.batches if self.batches else 0.0
+        )
 
     @property
     def wal_max_s(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from muser import logs
 from muser.records import close_message, tokens_bytes
-from muser.round import plan_depth
 from muser.stats import LaneStats
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -34,6 +34,9 @@ from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
 log = logging.getLogger("muser.proposer")
+
+QUEUE_FULL = "round_queue_full"
+"""The refusal reason of a verifier whose round queue is full: re-send after a backoff."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class SessionRunner:
     def _start_draft(self) -> asyncio.Future:
         """Draft the next round in the draft thread; returns (proposal, seconds)."""
         s = self.session
-        depth = plan_depth(s.draft_len, s.params.max_tokens - len(s.emitted))
+        depth = s.width.choose(s.params.max_tokens - len(s.emitted))
         transcript, state = list(s.transcript), s.state
 
         def work():
@@ -119,7 +122,7 @@ class SessionRunner:
         remaining = s.params.max_tokens - len(s.emitted) - len(proposal.drafts) - 1
         if not self.core.speculate or not proposal.drafts or remaining < 1:
             return None
-        depth = plan_depth(s.draft_len, remaining)
+        depth = s.width.peek(len(proposal.drafts), remaining)
         transcript, state, stop = list(s.transcript), s.state, threading.Event()
 
         def work():
@@ -141,7 +144,13 @@ class SessionRunner:
             spec, seconds = await speculation.future
             self.stats.speculation_s += seconds
             self.stats.speculated += 1
-            if spec is not None and spec.proposal is not None and spec.emitted == tokens:
+            s = self.session
+            if (
+                spec is not None
+                and spec.proposal is not None
+                and spec.emitted == tokens
+                and spec.depth == s.width.choose(s.params.max_tokens - len(s.emitted))
+            ):
                 self.stats.speculation_hits += 1
                 self.drafter.adopt()
                 done = asyncio.get_running_loop().create_future()
@@ -156,13 +165,20 @@ class SessionRunner:
         drafting: asyncio.Future | None = None
         speculation: Speculating | None = None
         backoff = 0.05
+        draft_s, round_start = 0.0, time.perf_counter()
         while not s.done and not (self.cancelled and s.prepared is None):
             logs.set_round(s.session_id, s.next_round)  # log lines carry session and round
             if s.prepared is None:
-                proposal, seconds = await (drafting or self._start_draft())
+                proposal, draft_s = await (drafting or self._start_draft())
                 drafting = None
-                self.stats.draft_s += seconds
-                signed_request = s.build_request(proposal.drafts, proposal.q_rows, core.private)
+                self.stats.draft_s += draft_s
+                remaining = s.params.max_tokens - len(s.emitted)
+                signed_request = s.build_request(
+                    proposal.drafts,
+                    proposal.q_rows,
+                    core.private,
+                    1 if proposal.drafts else s.width.decode_len(remaining),
+                )
                 await core.log.append_async(
                     journal.encode_prepared(s.session_id, s.next_round, signed_request)
                 )
@@ -189,8 +205,35 @@ class SessionRunner:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
+            except RoundRefused as exc:
+                if exc.reason != QUEUE_FULL:
+                    raise
+                # nothing was written there: the same request goes again, on the same stream
+                delay = backoff * (0.5 + random.random())  # jitter: refused sessions spread
+                log.info(
+                    "session %s round %d: the verifier's round queue is full; re-sending in "
+                    "%.2fs",
+                    s.session_id.hex()[:8],
+                    s.next_round,
+                    delay,
+                )
+                self.stats.queue_full_retries += 1
+                await asyncio.sleep(delay)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.05
             result = s.check_result(s.prepared, signed, core.verifiers)
             tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
+            s.width.observe(
+                len(result.drafts),
+                result.accepted,
+                len(result.emitted()),
+                draft_s=draft_s,
+                verify_s=raw.verify_s,
+                round_s=t1 - round_start,
+            )
+            self.stats.width = s.width.to_dict()
+            draft_s, round_start = 0.0, t1
             commit = asyncio.ensure_future(
                 core.log.append_async(journal.encode_committed(s.session_id, result.round, signed))
             )

@@ -25,6 +25,7 @@ from muser.canonical import CanonicalError
 from muser.errors import (
     CaptureLayerError,
     ContextOverflowError,
+    DecodeLengthError,
     DraftMismatchError,
     DraftOverrunError,
     DraftZeroProbabilityError,
@@ -62,6 +63,7 @@ from muser.records import Signed
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from verifier_gx.batcher import RoundQueueFullError
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import short
 from verifier_gx.sessions import OpenRequest, SessionManager
@@ -75,6 +77,7 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     SessionClosedError: (C.FAILED_PRECONDITION, "session_closed"),
     SessionConflictError: (C.ALREADY_EXISTS, "session_conflict"),
     SessionLimitError: (C.RESOURCE_EXHAUSTED, "max_sessions"),
+    RoundQueueFullError: (C.RESOURCE_EXHAUSTED, "round_queue_full"),
     SessionFinishedError: (C.FAILED_PRECONDITION, "session_finished"),
     UnenrolledKeyError: (C.PERMISSION_DENIED, "unenrolled_key"),
     SignatureError: (C.UNAUTHENTICATED, "bad_signature"),
@@ -94,6 +97,7 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     InvalidWeightsError: (C.INVALID_ARGUMENT, "invalid_weights"),
     DraftZeroProbabilityError: (C.INVALID_ARGUMENT, "draft_zero_probability"),
     DraftOverrunError: (C.INVALID_ARGUMENT, "too_many_drafts"),
+    DecodeLengthError: (C.INVALID_ARGUMENT, "decode_len"),
     DraftMismatchError: (C.FAILED_PRECONDITION, "draft_mismatch"),
     InvalidSamplingParamsError: (C.INVALID_ARGUMENT, "invalid_params"),
     InvalidPromptError: (C.INVALID_ARGUMENT, "invalid_prompt"),
@@ -274,6 +278,9 @@ def metrics_view(manager: SessionManager) -> DaemonView:
         wal_dir=getattr(manager.log, "directory", None),
         now=manager.stats.clock(),
         retries=manager.stats.retries,
+        verifier=manager.stats,
+        round_queue=manager.batcher.depth,
+        kv_sessions=len(manager.kv),
     )
 
 
@@ -300,6 +307,23 @@ def status_json(manager: SessionManager) -> dict:
         "verify_s": s.verify_s,
         "sign_s": s.sign_s,
         "fragments": {"held": len(manager.fragments), "bytes": manager.fragments.bytes_held},
+        "batching": {
+            "batches": s.batches,
+            "mean_batch": s.mean_batch,
+            "batch_sizes": {str(k): n for k, n in sorted(s.batch_sizes.items())},
+            "max_batch": manager.limits.max_batch,
+            "queue_depth": manager.batcher.depth,
+            "queue_depth_max": s.queue_depth_max,
+            "round_queue": manager.limits.round_queue,
+            "queue_full": s.queue_full,
+        },
+        "kv": {
+            "per_session": manager.kv.per_session,
+            "sessions": len(manager.kv),
+            "kv_sessions": manager.limits.kv_sessions,
+            "evictions": manager.kv.evictions,
+            "rebuilt_tokens": s.kv_rebuilt_tokens,
+        },
         "target": {
             "model_digest": t.model_digest,
             "tokenizer_digest": t.tokenizer_digest,

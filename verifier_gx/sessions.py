@@ -8,16 +8,20 @@ session unchanged):
      index, expected head;
   2. closure: the pre-round MT state and every transcript chunk the request names is either
      what the session derives or a held, hash-checked fragment (else missing_fragments);
-  3. validate the draft rows and replay the drafting draws, then compute the witness rows
-     (the target backend is shared: one compute lock) and judge;
-  4. build the RoundResult, sign it, append ROUND to the commit log (fsync, group commit);
+  3. validate the draft rows and replay the drafting draws; queue the round (bounded: a full
+     queue refuses it, nothing written); the round queue (verifier_gx.batcher) runs the
+     rounds waiting at the same time in one worker thread: witness rows in one target forward
+     over each session's own KV (verifier_gx.kvpool), then per round judge, build the
+     RoundResult and sign it;
+  4. append ROUND to the commit log (fsync; the rounds of one batch share the group commit,
+     and each round waits for its own record to be durable);
   5. fenced CAS: apply only if head and epoch are still what the request expected;
   6. return the signed bytes.
 
 Sessions are serialised by a per-session asyncio lock; each transaction runs as a shielded
 task, so a client that goes away mid-fsync cannot leave the log ahead of the state.
-Recovery replays the log through `journal.Replay`; the target KV is rebuilt lazily (the
-executor's cursor re-evaluates the transcript on first use).
+Recovery replays the log through `journal.Replay`; the target KV is rebuilt lazily (a
+session's executor re-evaluates its transcript on first use, as after a KV eviction).
 """
 
 from __future__ import annotations
@@ -68,15 +72,19 @@ from verifier_gx import journal
 from verifier_gx.admission import (
     capture_fragment,
     check_closure,
+    check_decode,
     check_drafts,
     check_identities,
     check_params,
     check_room,
     read_prompt,
 )
-from verifier_gx.executor import TargetExecutor
+from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
+from verifier_gx.decode import decode_decision, decode_round
+from verifier_gx.executor import witness_batch
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import SessionState, short
+from verifier_gx.kvpool import KvPool
 
 log = logging.getLogger("muser.verifier")
 
@@ -111,6 +119,15 @@ class RoundOutcome:
     retry: bool
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One round waiting for the target (its session lock is held meanwhile)."""
+
+    state: SessionState
+    request: RoundRequest
+    digest: bytes
+
+
 def _background(coro: Coroutine) -> asyncio.Future:
     """Run `coro` as a task the caller's cancellation does not interrupt."""
     task = asyncio.ensure_future(coro)
@@ -129,21 +146,34 @@ class SessionManager:
         limits: Limits,
         clock: Callable[[], float] = time.monotonic,
         qualified_draft: tuple[str, str] | None = None,
+        max_decode_len: int = 1,
     ) -> None:
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
+        self.max_decode_len = max_decode_len
+        """The most tokens one draftless round may ask this verifier to decode (lane.decode_len)."""
         self.qualified_draft = qualified_draft
+        self.stats = VerifierStats(clock=clock)
         """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
         opened with another draft are refused (None: not checked, e.g. unqualified tests)."""
-        self.executor = TargetExecutor(backend)
+        self.kv = KvPool(backend, limits.kv_sessions, on_evict=self._evicted)
         self.signing_key = signing_key
         self.key_id = keys.key_id(signing_key.public_key())
         self.proposer_keys = dict(proposer_keys)
         self.fragments = FragmentStage()
-        self.stats = VerifierStats(clock=clock)
         self._locks: dict[bytes, asyncio.Lock] = {}
         self._open_lock = asyncio.Lock()
         self._backend_lock = threading.Lock()
+        self.batcher: RoundBatcher[_Job, tuple] = RoundBatcher(
+            self._decide_batch,
+            max_batch=limits.max_batch,
+            max_queue=limits.round_queue,
+            on_batch=self.stats.observe_batch,
+            on_queue=self.stats.observe_queue,
+        )
         self.replay = self._recover()
+
+    def _evicted(self) -> None:
+        self.stats.kv_evictions += 1
 
     # ---- recovery -------------------------------------------------------------------------
 
@@ -294,6 +324,7 @@ class SessionManager:
             await self.log.append_async(journal.encode(entry))
             self.replay.apply(entry)
             self.fragments.drop_session(session_id)
+            self.kv.drop(session_id)
             self._locks.pop(session_id, None)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
 
@@ -346,6 +377,7 @@ class SessionManager:
                 )
             check_closure(state, request, self.fragments)
             check_drafts(state, request, self.target.vocab_size)
+            check_decode(state, request, self.max_decode_len)
             return await self._commit(state, request, digest)
 
     def _retry(self, state, request, digest, stored) -> RoundOutcome:
@@ -363,9 +395,15 @@ class SessionManager:
         return RoundOutcome(stored_bytes, result, captures, {}, True)
 
     async def _commit(self, state: SessionState, request: RoundRequest, digest: bytes):
-        decision, result, captures, post, signed, timings = await asyncio.to_thread(
-            self._decide, state, request, digest
-        )
+        try:
+            decided = await self.batcher.submit(_Job(state, request, digest))
+        except RoundQueueFullError:
+            self.stats.queue_full += 1
+            raise
+        decision, result, captures, post, signed, timings = decided
+        t0 = self.clock()
+        await self.log.append_async(journal.encode(journal.RoundEntry(digest, signed)))
+        timings["wal_s"] = self.clock() - t0
         # fenced CAS: under the session lock nothing else moves head or epoch, so this holds
         if state.head != request.expected_head or state.epoch != request.epoch:
             raise JournalError(
@@ -374,6 +412,8 @@ class SessionManager:
         tokens = state.apply_round(result, digest, signed, post)
         for d, data in captures:
             self.fragments.put(d, data, (state.session_id, request.round))
+        if state.done:  # a finished session only answers retries, from the log
+            self.kv.drop(state.session_id)
         self._observe(request, decision, len(tokens), timings)
         log.info(
             "session %s round %d: accepted %d/%d next_frontier %d emitted %d "
@@ -383,14 +423,29 @@ class SessionManager:
         )  # fmt: skip
         return RoundOutcome(signed, result, captures, timings, False)
 
-    def _decide(self, state: SessionState, request: RoundRequest, digest: bytes):
-        """Compute, sign and commit one round in one worker thread (DESIGN.md §5 steps 3-4):
-        one hop from the event loop and back per round. The session lock (held by the
-        caller) keeps the session still; the backend lock serialises the shared target."""
+    def _decide_batch(self, jobs: list[_Job]) -> list[tuple | BaseException]:
+        """Compute, judge and sign a batch of rounds in one worker thread (DESIGN.md §5 step
+        3 and the result of step 4): one hop from the event loop and back per batch. Each
+        job's session lock (held by its caller) keeps its session still; the backend lock
+        serialises the target. A failure is its own round's: the others go on."""
         with self._backend_lock:
             t0 = self.clock()
-            decision, captured = self._compute(state, request)
-            t1 = self.clock()
+            computed = self._compute_batch(jobs)
+            share = (self.clock() - t0) / len(jobs)
+        out: list[tuple | BaseException] = []
+        for job, c in zip(jobs, computed, strict=True):
+            if isinstance(c, BaseException):
+                out.append(c)
+                continue
+            try:
+                out.append(self._sign(job, *c, verify_s=share))
+            except Exception as exc:  # raised in the round's own coroutine
+                out.append(exc)
+        return out
+
+    def _sign(self, job: _Job, decision: RoundDecision, captured, *, verify_s: float):
+        """Build the RoundResult, check it against the state and sign it."""
+        state, request, digest = job.state, job.request, job.digest
         emitted = decision.emitted(request.drafts)
         captures = [capture_fragment(state, request, layer, rows) for layer, rows in captured]
         result = RoundResult(
@@ -408,32 +463,73 @@ class SessionManager:
             tuple(d for d, _ in captures),
             b"\0" * 32,
             self.key_id,
+            decision.decoded,
         )
         result = replace(result, head=result.expected_head())
         post = state.check_round(result, digest)
         body = result.encode()
-        t2 = self.clock()
+        t0 = self.clock()
         signed = Signed(body, self.signing_key.sign(body)).encode()
-        t3 = self.clock()
-        self.log.append(journal.encode(journal.RoundEntry(digest, signed)))
-        t4 = self.clock()
-        timings = {"verify_s": t1 - t0, "sign_s": t3 - t2, "wal_s": t4 - t3}
+        timings = {"verify_s": verify_s, "sign_s": self.clock() - t0, "wal_s": 0.0}
         return decision, result, captures, post, signed, timings
 
-    def _compute(self, state: SessionState, request: RoundRequest):
-        """Witness rows, judge, settle the KV. Runs in a worker thread under the compute lock."""
-        transcript, drafts = state.transcript, list(request.drafts)
-        layers = sorted(set(state.open.capture_layers))
-        captured: dict[int, np.ndarray] = {}
-        if layers and hasattr(self.backend, "evaluate_capture"):
-            cursor = self.executor.cursor
-            cursor.hold(transcript[:-1])
-            tokens = [transcript[-1], *drafts]
-            logits, captured = self.backend.evaluate_capture(tokens, layers)
-            cursor.tokens.extend(tokens)
-            cursor.last_row = logits[-1]
-        else:
-            logits = self.executor.witness_logits(transcript, drafts)
+    def _compute_batch(self, jobs: list[_Job]) -> list[tuple | BaseException]:
+        """Witness rows (one forward for the rounds without capture), judge, settle each
+        round's KV. Runs in the worker thread under the backend lock. `verify_s` of a batched
+        round is its share of the batch's compute wall, so the sums stay the target's wall."""
+        out: list[tuple | BaseException | None] = [None] * len(jobs)
+        executors = [self.kv.executor(job.state.session_id) for job in jobs]
+        logits: dict[int, np.ndarray] = {}
+        captured: dict[int, dict[int, np.ndarray]] = {}
+        batched = []
+        for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
+            transcript = job.state.transcript
+            if job.state.next_round > 0:  # round 0 prefills the prompt: not a rebuild
+                held = ex.cursor.reusable(transcript[:-1])
+                self.stats.kv_rebuilt_tokens += len(transcript) - 1 - held
+            if job.request.decode_len > 1:  # a decode round: its steps depend on each other
+                try:
+                    out[i] = (self._decode(job, ex), [])
+                except Exception as exc:
+                    ex.cursor.realign()
+                    out[i] = exc
+                continue
+            layers = sorted(set(job.state.open.capture_layers))
+            if not (layers and hasattr(self.backend, "evaluate_capture")):
+                batched.append(i)
+                continue
+            try:  # hidden rows are captured one round at a time
+                _, tokens = ex.prepare(transcript, job.request.drafts)
+                logits[i], captured[i] = ex.cursor.backend.evaluate_capture(tokens, layers)
+                ex.cursor.record(tokens, logits[i])
+            except Exception as exc:
+                ex.cursor.realign()
+                out[i] = exc
+        rounds = [(executors[i], jobs[i].state.transcript, jobs[i].request.drafts) for i in batched]
+        try:
+            logits.update(zip(batched, witness_batch(self.backend, rounds), strict=True))
+        except Exception:  # one round's failure must not fail the others: run them alone
+            for i, r in zip(batched, rounds, strict=True):
+                try:
+                    logits[i] = witness_batch(self.backend, [r])[0]
+                except Exception as exc:
+                    out[i] = exc
+        for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
+            if out[i] is not None:
+                continue
+            try:
+                out[i] = self._judge(job, ex, logits[i], captured.get(i, {}))
+            except Exception as exc:
+                out[i] = exc
+        return out  # type: ignore[return-value]
+
+    def _decode(self, job: _Job, ex) -> RoundDecision:
+        state = job.state
+        decoded = decode_round(ex, state.transcript, state.mt, job.request.decode_len, state.params)
+        return decode_decision(decoded, state.mt)
+
+    def _judge(self, job: _Job, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
+        state, request = job.state, job.request
         witness = target_probs(logits, state.params)
         decision: RoundDecision = judge_round(
             state.mt,
@@ -443,7 +539,7 @@ class SessionManager:
             witness,
             greedy=state.params.greedy,
         )
-        self.executor.settle(len(transcript), decision.accepted)
+        ex.settle(len(state.transcript), decision.accepted)
         kept = decision.accepted + 1  # hidden rows of the frontier and the accepted drafts
         return decision, [(layer, captured[layer][:kept]) for layer in sorted(captured)]
 

@@ -10,16 +10,39 @@ from pathlib import Path
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
-    p.add_argument("--suite", choices=["lanes", "wal"], default="lanes", help="default lanes")
+    p.add_argument(
+        "--suite", choices=["lanes", "wal", "sessions"], default="lanes", help="default lanes"
+    )
+    p.add_argument(
+        "--sessions",
+        default="1,8",
+        metavar="N,N",
+        help="--suite sessions: concurrent sessions per run on one verifier (default 1,8)",
+    )
     p.add_argument("--prompts", type=int, default=4, help="natural prompts (default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per run (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per lane (default 3)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument(
+        "--draft-range",
+        default=None,
+        metavar="LO:HI",
+        help="also run the local and cluster lanes with adaptive width in [LO, HI] "
+        "(lanes local-adaptive, cluster@Xms-adaptive), beside the fixed --draft-len ones",
+    )
     p.add_argument("--q-top-k", type=int, default=32)
     p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
-    p.add_argument("--no-peers", action="store_true", help="skip transformers / mlx-lm peers")
+    p.add_argument("--no-peers", action="store_true", help="skip the hf, mlx-lm, vLLM peers")
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="python of a vLLM environment for the vLLM speculative peer "
+        "(default $MUSER_VLLM_PYTHON, else .venv-vllm/bin/python when present)",
+    )
     p.add_argument(
         "--cluster-delays",
         default="0",
@@ -38,6 +61,8 @@ def register(sub, name: str, help_text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.suite == "wal":
         return _run_wal(args)
+    if args.suite == "sessions":
+        return _run_sessions(args)
     import time
 
     from transformers import AutoTokenizer
@@ -53,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     texts = [periodic_prompt()] * args.prompts if args.periodic else natural_prompts(args.prompts)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    draft_range = _draft_range(args)
     lanes, notes = build_lanes(
         pair.target,
         pair.draft,
@@ -61,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         q_top_k=args.q_top_k,
         draft_backend=args.draft_backend,
         peers=not args.no_peers,
+        vllm_python=args.vllm_python,
+        draft_range=draft_range,
     )
     import contextlib
 
@@ -71,7 +99,12 @@ def run(args: argparse.Namespace) -> int:
         if delays:
             lanes |= stack.enter_context(
                 cluster_lanes(
-                    pair.target, pair.draft, params, draft_len=args.draft_len, delays_ms=delays
+                    pair.target,
+                    pair.draft,
+                    params,
+                    draft_len=args.draft_len,
+                    delays_ms=delays,
+                    draft_range=draft_range,
                 )
             )
         samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
@@ -83,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         "draft": str(pair.draft),
         "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
         "draft_len": args.draft_len,
+        "draft_range": list(draft_range) if draft_range else None,
         "q_top_k": args.q_top_k,
         "draft_backend": args.draft_backend,
         "max_tokens": args.max_tokens,
@@ -111,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_range(args: argparse.Namespace) -> tuple[int, int] | None:
+    from muser.cli._common import parse_draft_range
+
+    return None if args.draft_range is None else parse_draft_range(args.draft_range, args.draft_len)
+
+
 def _run_wal(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -119,4 +159,70 @@ def _run_wal(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.wal_dir) as tmp:
         result = run_wal_bench(Path(tmp), progress=not args.json)
     print(json.dumps(result) if args.json else format_wal_bench(result))
+    return 0
+
+
+def _run_sessions(args: argparse.Namespace) -> int:
+    import time
+
+    from transformers import AutoTokenizer
+
+    from muser.bench_cluster import cluster_lanes
+    from muser.bench_sessions import (
+        format_sessions,
+        oracle_tokens,
+        run_sessions_bench,
+        summarise_sessions,
+    )
+    from muser.benchmark import write_receipt
+    from muser.cli._common import encode_prompt
+    from muser.fixtures import build_fixtures, natural_prompts
+    from muser.sampling import SamplingParams
+
+    sessions = sorted({int(n) for n in args.sessions.split(",") if n.strip()})
+    if not sessions or sessions[0] < 1:
+        print(f"--sessions {args.sessions!r}: expected counts >= 1, e.g. 1,8", file=sys.stderr)
+        return 2
+    pair = build_fixtures(progress=not args.json).natural
+    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
+    prompts = [encode_prompt(tokenizer, t) for t in natural_prompts(max(sessions))]
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    oracle = None
+    if params.greedy:
+        oracle = oracle_tokens(pair.target, prompts, params, args.max_tokens)
+    with cluster_lanes(
+        pair.target, pair.draft, params, draft_len=args.draft_len, delays_ms=[0.0]
+    ) as lanes:
+        samples, rates = run_sessions_bench(
+            lanes["cluster@0ms"],
+            prompts,
+            sessions,
+            args.max_tokens,
+            args.repeats,
+            progress=not args.json,
+        )
+    summary = summarise_sessions(rates, samples, oracle)
+    meta = {
+        "command": " ".join(sys.argv),
+        "suite": "sessions",
+        "fixture": "natural",
+        "target": str(pair.target),
+        "draft": str(pair.draft),
+        "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
+        "draft_len": args.draft_len,
+        "max_tokens": args.max_tokens,
+        "sessions": sessions,
+        "repeats": args.repeats,
+        "rates_tokens_per_s": {str(n): r for n, r in rates.items()},
+        "threads": "torch.set_num_threads(1) in each daemon",
+    }
+    receipt = (
+        args.receipt or Path("bench-receipts") / f"sessions-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    digest = write_receipt(receipt, meta, samples, summary)
+    if args.json:
+        print(json.dumps({"summary": summary, "receipt": str(receipt), "sha256": digest}))
+        return 0
+    print(format_sessions(summary))
+    print(f"receipt: {receipt} (samples sha256 {digest})")
     return 0

@@ -5,6 +5,17 @@ Implements `muser.backend.ModelBackend`. One `DynamicCache` holds the KV of one 
 layer keeps full-length KV and can be cropped to any length; sliding-window models still
 attend within their window because transformers builds the mask from the config.
 
+Many sequences (`muser.backend.MultiSequenceBackend`, the verifier's sessions): `sequence()`
+gives a `TorchSequence` with its own KV buffers (per layer, grown by doubling), and
+`evaluate_batch` runs several sequences' new tokens in one forward. The ragged batch is
+right-padded: row i holds sequence i's new tokens at positions length_i.., attention reads
+each sequence's own KV (padded to the longest) through an additive 4D mask that lets query j
+of row i see keys [0, length_i + j] of row i only; padded queries and keys are masked. Rows
+match the one-sequence forward within float rounding (tested to 1e-4 in log-prob). The
+batched path needs full attention through a mask the model takes as given (sdpa or eager,
+no sliding window) and is checked once against a cache-free forward; a model that fails the
+check keeps the one-KV path (`can_batch` False).
+
 Overrides take effect in the model itself: `rope_theta` is written into the config the
 model is built from (the rotary tables are computed from it at init), and `context_length`
 moves the point where `evaluate` refuses with ContextOverflowError.
@@ -72,8 +83,108 @@ def check_device(device: str) -> str:
     return str(parsed)
 
 
+class _BatchKv:
+    """The KV of the sequences in one forward, in the shape the model's attention calls.
+
+    `update` writes each row's new keys/values into its sequence's own buffers (after the
+    sequence's committed length) and returns every row's keys/values [0, length + new),
+    right-padded with zeros to the longest: the mask hides the padding. One sequence reads
+    its buffers in place (no copy). Lengths move only once the whole forward succeeded
+    (`TorchSequence._commit`), so a failed forward leaves every sequence as it was."""
+
+    def __init__(self, seqs: list[TorchSequence], counts: list[int]) -> None:
+        self.seqs, self.counts = seqs, counts
+        self.total = max(s.length + n for s, n in zip(seqs, counts, strict=True))
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        rows = []
+        for i, (seq, n) in enumerate(zip(self.seqs, self.counts, strict=True)):
+            rows.append(seq._write(layer_idx, key_states[i, :, :n], value_states[i, :, :n]))
+        if len(rows) == 1:
+            k, v = rows[0]
+            return k.unsqueeze(0), v.unsqueeze(0)
+        b, h, _, d = key_states.shape
+        keys = key_states.new_zeros((b, h, self.total, d))
+        values = value_states.new_zeros((b, h, self.total, d))
+        for i, (k, v) in enumerate(rows):
+            keys[i, :, : k.shape[1]] = k
+            values[i, :, : v.shape[1]] = v
+        return keys, values
+
+
+class TorchSequence:
+    """One sequence's KV over a `TorchBackend`'s weights (`ModelBackend`; made by
+    `TorchBackend.sequence()`). Dropping it frees its KV."""
+
+    def __init__(self, owner: TorchBackend) -> None:
+        self.owner = owner
+        self.identity, self.geometry = owner.identity, owner.geometry
+        self._tokens: list[int] = []
+        self._keys: list = []
+        self._values: list = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.owner.vocab_size
+
+    @property
+    def length(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return self.owner.num_layers
+
+    def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens`; float64 logits (len(tokens), vocab_size)."""
+        return self.owner.evaluate_batch([(self, tokens)])[0]
+
+    def evaluate_capture(
+        self, tokens: Sequence[int], layers: Sequence[int]
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """`TorchBackend.evaluate_capture` on this sequence."""
+        wanted = self.owner._check_layers(layers)
+        rows, captured = self.owner._forward_batch([(self, tokens)], wanted)
+        return rows[0], captured
+
+    def rollback(self, n: int) -> None:
+        """Drop the last `n` tokens (refuses n < 0 or n > length); the buffers are kept."""
+        check_rollback(n, self.length)
+        if n:
+            del self._tokens[-n:]
+
+    def reset(self) -> None:
+        """Drop the whole KV, buffers included."""
+        self._tokens.clear()
+        self._keys, self._values = [], []
+
+    def _write(self, layer: int, k, v):
+        """Store new keys/values (heads, n, dim) after `length`; return [0, length + n)."""
+        start, end = self.length, self.length + k.shape[1]
+        if layer == len(self._keys):
+            cap = max(64, 1 << (end - 1).bit_length())
+            shape = (k.shape[0], cap, k.shape[2])
+            self._keys.append(k.new_empty(shape))
+            self._values.append(v.new_empty(shape))
+        buf_k, buf_v = self._keys[layer], self._values[layer]
+        if end > buf_k.shape[1]:
+            cap = 1 << (end - 1).bit_length()
+            grown_k = buf_k.new_empty((buf_k.shape[0], cap, buf_k.shape[2]))
+            grown_v = buf_v.new_empty(grown_k.shape)
+            grown_k[:, :start] = buf_k[:, :start]
+            grown_v[:, :start] = buf_v[:, :start]
+            self._keys[layer], self._values[layer] = buf_k, buf_v = grown_k, grown_v
+        buf_k[:, start:end] = k
+        buf_v[:, start:end] = v
+        return buf_k[:, :end], buf_v[:, :end]
+
+    def _commit(self, ids: list[int]) -> None:
+        self._tokens.extend(ids)
+
+
 class TorchBackend:
-    """A causal LM under torch with the KV cache of one sequence (`ModelBackend`)."""
+    """A causal LM under torch with the KV cache of one sequence (`ModelBackend`), and
+    per-sequence KV with batched forwards for the verifier (`MultiSequenceBackend`)."""
 
     identity: ModelIdentity
     geometry: Geometry
@@ -107,6 +218,7 @@ class TorchBackend:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._tokens: list[int] = []
         self._cache = self._new_cache()
+        self._batch_ok: bool | None = None  # the batched path's one-time check, when first used
 
     def _load(self, path, rope_theta: float | None, torch_dtype):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -158,12 +270,123 @@ class TorchBackend:
         Layer i's output is what decoder layer i hands to layer i+1 (before the final norm),
         read by a forward hook, so capture never changes the logits.
         """
+        return self._forward(tokens, self._check_layers(layers))
+
+    def _check_layers(self, layers: Sequence[int]) -> list[int]:
         count = self.num_layers
         wanted = sorted({int(i) for i in layers})
         for i in wanted:
             if not 0 <= i < count:
                 raise CaptureLayerError(f"capture layer {i} outside [0, {count}) decoder layers")
-        return self._forward(tokens, wanted)
+        return wanted
+
+    # ---- many sequences -------------------------------------------------------------------
+
+    @property
+    def can_batch(self) -> bool:
+        """Whether this model takes the batched path: full attention under a given mask,
+        checked once against a cache-free forward (module docstring)."""
+        if self._batch_ok is None:
+            impl = getattr(self._model.config, "_attn_implementation", None)
+            self._batch_ok = (
+                self.geometry.sliding_window is None
+                and impl in ("sdpa", "eager")
+                and self._batch_matches_plain()
+            )
+        return self._batch_ok
+
+    def _batch_matches_plain(self) -> bool:
+        """Two ragged sequences through `evaluate_batch` equal a forward without any cache."""
+        torch = self._torch
+        ids = [(7 * i + 3) % self.vocab_size for i in range(9)]
+        a, b = TorchSequence(self), TorchSequence(self)
+        try:
+            self._forward_batch([(a, ids[:5]), (b, ids[:2])], ())
+            rows, _ = self._forward_batch([(a, ids[5:]), (b, ids[2:4])], ())
+            with torch.inference_mode():
+                plain = self._model(input_ids=torch.tensor([ids], device=self.device)).logits
+        except (TypeError, ValueError, RuntimeError, AttributeError):
+            return False
+        plain = plain[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        tol = 1e-3 if self.dtype == "float32" else 5e-2
+        return bool(
+            np.abs(rows[0] - plain[5:]).max() < tol and np.abs(rows[1] - plain[2:4]).max() < tol
+        )
+
+    def sequence(self) -> TorchSequence:
+        """A new sequence with its own empty KV over these weights (refused when the model
+        cannot take the batched path: see `can_batch`)."""
+        if not self.can_batch:
+            raise ModelLoadError(
+                f"{self.identity.architecture}: this model keeps one KV (sliding window or an "
+                "attention that ignores a given mask); serve sessions on the shared KV"
+            )
+        return TorchSequence(self)
+
+    def evaluate_batch(
+        self, work: Sequence[tuple[TorchSequence, Sequence[int]]]
+    ) -> list[np.ndarray]:
+        """Append each `tokens` to its sequence in one forward; float64 rows per sequence."""
+        return self._forward_batch(work, ())[0]
+
+    def _forward_batch(
+        self, work: Sequence[tuple[TorchSequence, Sequence[int]]], layers: Sequence[int]
+    ) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        seqs = [seq for seq, _ in work]
+        for seq in seqs:
+            if not isinstance(seq, TorchSequence) or seq.owner is not self:
+                raise TypeError(f"{seq!r} is not a sequence of this backend")
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        ids = [check_tokens(tokens, self.vocab_size) for _, tokens in work]
+        for seq, new in zip(seqs, ids, strict=True):
+            check_room(seq.length, len(new), self.geometry.context_length)
+        out = [np.zeros((0, self.vocab_size)) for _ in work]
+        live = [i for i, new in enumerate(ids) if new]
+        if not live:
+            return out, {}
+        if layers and len(live) > 1:
+            raise ValueError("hidden rows are captured one sequence at a time")
+        torch = self._torch
+        seqs, ids = [seqs[i] for i in live], [ids[i] for i in live]
+        counts = [len(x) for x in ids]
+        width = max(counts)
+        rows = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, x in enumerate(ids):
+            rows[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        lengths = torch.tensor([s.length for s in seqs])
+        steps = torch.arange(width)
+        positions = lengths[:, None] + steps[None, :]
+        # query j of row i sees keys [0, length_i + j]; padded queries repeat the last real one
+        last = lengths[:, None] + torch.minimum(steps[None, :], torch.tensor(counts)[:, None] - 1)
+        cache = _BatchKv(seqs, counts)
+        visible = torch.arange(cache.total)[None, None, :] <= last[:, :, None]
+        dtype = self._model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(
+            ~visible, torch.finfo(dtype).min
+        )
+        captured: dict[int, np.ndarray] = {}
+        hooks = [self._hook(i, captured) for i in layers]
+        try:
+            with torch.inference_mode():
+                result = self._model(
+                    input_ids=rows.to(self.device),
+                    attention_mask=mask[:, None].to(self.device),
+                    position_ids=positions.to(self.device),
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        logits = result.logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        for seq, x in zip(seqs, ids, strict=True):
+            seq._commit(x)
+        for j, i in enumerate(live):
+            out[i] = logits[j, : counts[j]]
+        for layer in captured:
+            captured[layer] = captured[layer][: counts[0]]
+        return out, captured
 
     def _decoder_layers(self):
         base = getattr(self._model, self._model.base_model_prefix, self._model)

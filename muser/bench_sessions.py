@@ -1,0 +1,117 @@
+"""`muser bench --suite sessions`: N concurrent sessions against one verifier.
+
+The cluster is the bench's own (`muser.bench_cluster.cluster_lanes` at 0 ms: one verifier,
+one proposer, real daemons on loopback, the lane qualified for real). For each N in
+`--sessions` (e.g. 1,8), N generations on N different natural prompts start together, one
+client thread each; the run's rate is all tokens emitted / the wall from the first start to
+the last finish. Repeats interleave the values of N (so drift hits them alike); the median
+over repeats is reported with its spread and the ratio to N = 1 (or the smallest N). Every
+generation is a sample in the receipt (SHA-256 over the samples, `muser.benchmark`); at
+temperature 0 each one is checked against plain target decode of its prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from muser.benchmark import LaneFn, Sample
+from muser.sampling import SamplingParams
+
+
+def run_concurrent(
+    lane: LaneFn, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[Sample], float]:
+    """Start one generation per prompt at once; returns their samples and the wall."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        start = time.perf_counter()
+        futures = [pool.submit(lane, p, max_tokens) for p in prompts]
+        samples = [f.result() for f in futures]
+        wall = time.perf_counter() - start
+    for i, s in enumerate(samples):
+        s.prompt = i
+    return samples, wall
+
+
+def run_sessions_bench(
+    lane: LaneFn,
+    prompts: list[list[int]],
+    sessions: list[int],
+    max_tokens: int,
+    repeats: int,
+    progress: bool = True,
+) -> tuple[list[Sample], dict[int, list[float]]]:
+    """Samples of every generation, and per N the rate (tokens/s) of each repeat."""
+    from tqdm import tqdm
+
+    if max(sessions) > len(prompts):
+        raise ValueError(f"{max(sessions)} sessions need as many prompts, got {len(prompts)}")
+    lane(prompts[0][:8], 4)  # warm-up: first-call allocation and lazy init stay out
+    samples: list[Sample] = []
+    rates: dict[int, list[float]] = {n: [] for n in sessions}
+    with tqdm(total=repeats * len(sessions), desc="sessions", disable=not progress) as bar:
+        for repeat in range(repeats):
+            order = sessions if repeat % 2 == 0 else list(reversed(sessions))
+            for n in order:
+                got, wall = run_concurrent(lane, prompts[:n], max_tokens)
+                for s in got:
+                    s.lane, s.repeat = f"sessions={n}", repeat
+                    s.split_s = {**s.split_s, "run_wall": wall}
+                samples += got
+                rates[n].append(sum(len(s.tokens) for s in got) / wall)
+                bar.update()
+    return samples, rates
+
+
+def summarise_sessions(
+    rates: dict[int, list[float]], samples: list[Sample], oracle: dict[int, list[int]] | None
+) -> dict[str, dict]:
+    base_n = min(rates)
+    base = statistics.median(rates[base_n])
+    out: dict[str, dict] = {}
+    for n, rs in sorted(rates.items()):
+        mine = [s for s in samples if s.lane == f"sessions={n}"]
+        drafted = sum(s.drafted for s in mine)
+        row = {
+            "sessions": n,
+            "tokens_per_s": statistics.median(rs),
+            "spread": [min(rs), max(rs)],
+            f"ratio_to_{base_n}": statistics.median(rs) / base,
+            "per_session_tokens_per_s": statistics.median(rs) / n,
+            "acceptance": sum(s.accepted for s in mine) / drafted if drafted else None,
+        }
+        if oracle is not None:
+            same = [s.tokens == oracle[s.prompt] for s in mine]
+            row["greedy_match_plain"] = f"{sum(same)}/{len(same)}"
+        out[f"sessions={n}"] = row
+    return out
+
+
+def format_sessions(summary: dict[str, dict]) -> str:
+    base = next(k for k in next(iter(summary.values())) if k.startswith("ratio_to_"))
+    lines = [f"{'sessions':>8} {'tok/s':>8} {'spread':>13} {'×' + base[9:]:>6} {'tok/s/sess':>10} "
+             f"{'accept':>7} {'=plain':>7}"]  # fmt: skip
+    for r in summary.values():
+        lo, hi = r["spread"]
+        acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
+        lines.append(
+            f"{r['sessions']:>8} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
+            f"{r[base]:>6.2f} {r['per_session_tokens_per_s']:>10.1f} {acc:>7} "
+            f"{r.get('greedy_match_plain', '-'):>7}"
+        )
+    return "\n".join(lines)
+
+
+def oracle_tokens(target_dir, prompts: list[list[int]], params: SamplingParams, max_tokens: int):
+    """Plain target decode of each prompt (greedy only): what every session must emit."""
+    from verifier_gx.backends import load_target_backend
+    from verifier_gx.plain import run_plain
+
+    target = load_target_backend("torch", target_dir)
+    out = {}
+    for i, p in enumerate(prompts):
+        target.reset()
+        out[i] = run_plain(target, p, replace(params, max_tokens=max_tokens)).tokens
+    return out
