@@ -5,7 +5,9 @@ repeat (so drift hits all of them alike), the median and spread over repeats rep
 every raw sample kept in a receipt whose SHA-256 covers the samples' canonical JSON.
 Threads: torch runs with one intra-op thread (tiny models are faster that way on the
 2-core box, and it keeps the second core free for the OS and the harness); MLX runs on its
-CPU stream. Ratios are to plain target decode measured in the same run.
+CPU stream. The vLLM peer is the exception to "one process": vLLM lives in its own
+environment, so it runs in a child process (`muser.vllm_peer`) that serves one run per request,
+keeping the warm-up and the interleaved order; its child also uses one torch thread. Ratios are to plain target decode measured in the same run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from muser.sampling import SamplingParams
+from muser.width import AdaptiveWidth, WidthPolicy
 
 
 @dataclass
@@ -41,7 +44,16 @@ class Sample:
 LaneFn = Callable[[list[int], int], Sample]
 
 
-def _ours(kind: str, target, draft, params: SamplingParams, draft_len: int, q_top_k: int) -> LaneFn:
+def _ours(
+    kind: str,
+    target,
+    draft,
+    params: SamplingParams,
+    draft_len: int,
+    q_top_k: int,
+    width: Callable[[], WidthPolicy] | None = None,
+) -> LaneFn:
+    """Our plain or local lane; `width` makes each run's width policy (default: fixed D)."""
     from proposer_mac.local_lane import run_local
     from verifier_gx.plain import run_plain
 
@@ -52,7 +64,10 @@ def _ours(kind: str, target, draft, params: SamplingParams, draft_len: int, q_to
             r = run_plain(target, prompt, p)
         else:
             draft.reset()
-            r = run_local(target, draft, prompt, p, draft_len=draft_len, q_top_k=q_top_k)
+            policy = width() if width is not None else None
+            r = run_local(
+                target, draft, prompt, p, draft_len=draft_len, q_top_k=q_top_k, width=policy
+            )
         s = r.stats
         return Sample(
             kind,
@@ -129,6 +144,41 @@ def _mlx_speculative(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneF
     return run
 
 
+def vllm_speculative_lane(
+    python: Path | None, target_dir: Path, draft_dir: Path, draft_len: int
+) -> tuple[LaneFn | None, str]:
+    """vLLM's draft-model speculative decoding in a child process under `python` (a vLLM
+    environment's interpreter; None when there is none), and its note: why it was skipped,
+    or what it cost to start (engine start is never in its tokens/s)."""
+    import atexit
+
+    from muser.vllm_peer import ENV_PYTHON, VllmPeerError, VllmSpeculativePeer, vllm_distribution
+
+    if python is None:
+        return None, (
+            f"skipped: no vLLM python (no --vllm-python, ${ENV_PYTHON} unset, and no "
+            ".venv-vllm/bin/python; `make vllm-env` builds one)"
+        )
+    if not python.exists():
+        return None, f"skipped: the vLLM python {python} does not exist"
+    dist = vllm_distribution(python)
+    if dist is None:
+        return None, f"skipped: {python} runs no Python with a vLLM distribution installed"
+    try:
+        peer = VllmSpeculativePeer(python, target_dir, draft_dir, draft_len)
+    except VllmPeerError as exc:
+        return None, f"skipped: {dist} under {python} could not run speculative decoding: {exc}"
+    atexit.register(peer.close)
+    info = peer.info
+    return peer, (
+        f"ran in a child process under {python} ({info['vllm']}, draft_model method, "
+        f"{draft_len} speculative tokens, {info['threads']} torch thread(s), prefix cache off); "
+        f"engine start {info['import_s'] + info['engine_s']:.1f} s (import "
+        f"{info['import_s']:.1f} s + engine {info['engine_s']:.1f} s), not in tokens/s, which "
+        "the child times around LLM.generate"
+    )
+
+
 def build_lanes(
     target_dir: Path,
     draft_dir: Path,
@@ -138,8 +188,15 @@ def build_lanes(
     q_top_k: int,
     draft_backend: str,
     peers: bool,
+    vllm_python: Path | None = None,
+    draft_range: tuple[int, int] | None = None,
+    decode_len: int = 8,
 ) -> tuple[dict[str, LaneFn], dict[str, str]]:
-    """The lanes to run, and a note per lane that could not be built (never silent)."""
+    """The lanes to run, and a note per lane that could not be built (never silent) or whose
+    set-up cost is kept out of its samples. `vllm_python`: the vLLM peer's interpreter
+    (default: `muser.vllm_peer.default_vllm_python`). `draft_range`: add `local-adaptive`,
+    the local lane with `AdaptiveWidth` in that range (draftless rounds decode `decode_len`)."""
+    from muser.vllm_peer import PEER, default_vllm_python
     from proposer_mac.backends import load_draft_backend
     from verifier_gx.backends import load_target_backend
 
@@ -149,10 +206,25 @@ def build_lanes(
         "plain": _ours("plain", target, None, params, draft_len, q_top_k),
         "local": _ours("local", target, draft, params, draft_len, q_top_k),
     }
+    if draft_range is not None:  # the adaptive width beside the fixed one, same prompts
+        lo, hi = draft_range
+        lanes["local-adaptive"] = _ours(
+            "local",
+            target,
+            draft,
+            params,
+            draft_len,
+            q_top_k,
+            lambda: AdaptiveWidth(draft_len, lo, hi, decode_len),
+        )
     notes: dict[str, str] = {}
     if peers and params.greedy:
         lanes["hf-assisted"] = _transformers_assisted(target_dir, draft_dir, draft_len)
         lanes["mlx-lm-speculative"] = _mlx_speculative(target_dir, draft_dir, draft_len)
+        python = default_vllm_python(vllm_python)
+        lane, notes[PEER] = vllm_speculative_lane(python, target_dir, draft_dir, draft_len)
+        if lane is not None:
+            lanes[PEER] = lane
     elif peers:
         notes["peers"] = "peers run greedy only in this version; skipped at T > 0"
     return lanes, notes

