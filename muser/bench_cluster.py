@@ -27,8 +27,12 @@ def cluster_lanes(
     *,
     draft_len: int,
     delays_ms: list[float],
+    draft_range: tuple[int, int] | None = None,
 ):
-    """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms)."""
+    """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms). With
+    `draft_range` the lane may move D in it: `cluster@Xms` sessions still ask for draft_len
+    (fixed), and `cluster@Xms-adaptive` sessions ask for none, so the lane's adaptive width
+    chooses (the same proposer serves both)."""
     from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import free_port, init_cluster
@@ -38,6 +42,13 @@ def cluster_lanes(
 
     with tempfile.TemporaryDirectory(prefix="muser-bench-") as tmp, contextlib.ExitStack() as stack:
         base = init_cluster(Path(tmp), target=target_dir, draft=draft_dir, draft_len=draft_len)
+        if draft_range is not None:
+            lo, hi = draft_range
+            text = base.read_text()
+            line = f"draft_len = {draft_len}\n"
+            base.write_text(
+                text.replace(line, f"{line}draft_len_min = {lo}\ndraft_len_max = {hi}\n", 1)
+            )
         config = load_config(base)
         qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
         verifier = Daemon("verifier", base, Path(tmp))
@@ -66,15 +77,20 @@ def cluster_lanes(
             proposer = Daemon("proposer", path, Path(tmp) / f"logs-{delay:g}ms")
             proposer.start()
             stack.callback(proposer.stop)
-            lanes[f"cluster@{delay:g}ms"] = _lane(stream_generate, proposer_addr, params)
+            name = f"cluster@{delay:g}ms"
+            lanes[name] = _lane(stream_generate, proposer_addr, params, draft_len)
+            if draft_range is not None:
+                lanes[f"{name}-adaptive"] = _lane(stream_generate, proposer_addr, params, 0)
         yield lanes
 
 
-def _lane(stream_generate, address: str, params: SamplingParams) -> LaneFn:
+def _lane(stream_generate, address: str, params: SamplingParams, draft_len: int) -> LaneFn:
+    """Sessions that ask for `draft_len` (0: the lane's width policy decides)."""
+
     def run(prompt: list[int], max_tokens: int) -> Sample:
         p = dataclasses.replace(params, max_tokens=max_tokens)
         start = time.perf_counter()
-        r = stream_generate(address, prompt, p)
+        r = stream_generate(address, prompt, p, draft_len=draft_len)
         wall = time.perf_counter() - start
         s = r["stats"]
         return Sample(

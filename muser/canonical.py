@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from muser.errors import RefusedError
 
 MAGIC = b"MUSER\x00"
-VERSION = 2
+VERSION = 3
+"""3: round requests carry decode_len, round results the decoded tokens."""
 
 
 class CanonicalError(RefusedError):

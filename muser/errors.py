@@ -161,6 +161,11 @@ class DraftOverrunError(RoundValidationError):
     """More drafts than the session may still emit (a round emits up to D + 1 tokens)."""
 
 
+class DecodeLengthError(RoundValidationError):
+    """A decode_len the round may not ask for: < 1, > 1 with drafts, past what the session
+    may still emit, over the lane's decode_len, or on a session that captures hidden rows."""
+
+
 class InvalidPromptError(RefusedError):
     """A prompt fragment that is empty or not a whole number of u32 token ids."""
 

@@ -54,11 +54,14 @@ def transcript_digest(tokens: Sequence[int]) -> bytes:
     return sha256(Writer("transcript").u32s(tokens).bytes())
 
 
-def draws_for_round(depth: int, accepted: int, greedy: bool) -> int:
+def draws_for_round(depth: int, accepted: int, greedy: bool, emitted: int = 1) -> int:
     """uniform_f64 draws one round consumes (DESIGN.md §4): D drafting draws, one judging draw
-    per attempted draft, one for the next frontier; none when greedy."""
+    per attempted draft, one for the next frontier; none when greedy. A round without drafts
+    (a decode round) draws once per token it emits: it is that many singleton rounds."""
     if greedy:
         return 0
+    if depth == 0:
+        return emitted
     return depth + min(accepted + 1, depth) + 1
 
 
@@ -159,6 +162,10 @@ class RoundRequest:
     pre_state_digest: bytes
     transcript_digests: tuple[bytes, ...]
     proposer_key_id: str
+    decode_len: int = 1
+    """Tokens a round without drafts asks the verifier to sample itself, one target step and
+    one draw each, stopping early at a stop token: `decode_len` singleton rounds in one
+    (verifier-side decode). 1 for every round with drafts."""
 
     def encode(self) -> bytes:
         w = Writer("round-request").raw(self.session_id, 16).u64(self.round).u64(self.epoch)
@@ -166,7 +173,7 @@ class RoundRequest:
         for row in self.q_rows:
             w.u32s(int(t) for t in row.ids).f64s(float(x) for x in row.weights)
         w.raw(self.pre_state_digest, 32).blobs(self.transcript_digests).text(self.proposer_key_id)
-        return w.bytes()
+        return w.u32(self.decode_len).bytes()
 
     @classmethod
     def decode(cls, data: bytes) -> RoundRequest:
@@ -176,7 +183,7 @@ class RoundRequest:
             SparseRow(np.array(r.u32s(), dtype=np.int64), np.array(r.f64s(), dtype=np.float64))
             for _ in range(r.u32())
         )
-        out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text())
+        out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text(), r.u32())
         r.end()
         return out
 
@@ -200,11 +207,13 @@ class RoundResult:
     capture_digests: tuple[bytes, ...]
     head: bytes
     verifier_key_id: str
+    decoded: tuple[int, ...] = ()
+    """A decode round's tokens before its next frontier (empty for a round with drafts)."""
 
     def _body(self, w: Writer) -> Writer:
         w.raw(self.session_id, 16).u64(self.round).u64(self.epoch).raw(self.prev_head, 32)
         w.raw(self.request_digest, 32).u32(self.frontier).u32s(self.drafts).u32(self.accepted)
-        w.u32(self.next_frontier).raw(self.post_state_digest, 32)
+        w.u32s(self.decoded).u32(self.next_frontier).raw(self.post_state_digest, 32)
         w.raw(self.transcript_digest, 32).blobs(self.capture_digests)
         return w
 
@@ -223,27 +232,24 @@ class RoundResult:
     @classmethod
     def decode(cls, data: bytes) -> RoundResult:
         r = Reader(data, "round-result")
+        head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.raw(32), r.u32(), tuple(r.u32s()))
+        accepted, decoded = r.u32(), tuple(r.u32s())
         out = cls(
-            r.raw(16),
-            r.u64(),
-            r.u64(),
-            r.raw(32),
-            r.raw(32),
-            r.u32(),
-            tuple(r.u32s()),
-            r.u32(),
+            *head,
+            accepted,
             r.u32(),
             r.raw(32),
             r.raw(32),
             tuple(r.blobs()),
             r.raw(32),
             r.text(),
+            decoded,
         )
         r.end()
         return out
 
     def emitted(self) -> list[int]:
-        return list(self.drafts[: self.accepted]) + [self.next_frontier]
+        return [*self.drafts[: self.accepted], *self.decoded, self.next_frontier]
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,13 @@ class RoundDecision:
     post_state: Mt19937
     draws: int
     """uniform_f64 draws this round consumed (drafting replay + judging)."""
+    decoded: tuple[int, ...] = ()
+    """A decode round's tokens before its next frontier (verifier_gx/decode.py)."""
 
     def emitted(self, drafts: Sequence[int]) -> list[int]:
-        """Tokens this round emits: the accepted drafts, then the next frontier."""
-        return [int(t) for t in drafts[: self.accepted]] + [self.next_frontier]
+        """Tokens this round emits: the accepted drafts (or the decoded tokens), then the
+        next frontier."""
+        return [*(int(t) for t in drafts[: self.accepted]), *self.decoded, self.next_frontier]
 
 
 def validate_round(

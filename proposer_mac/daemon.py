@@ -18,12 +18,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster_config import ClusterConfig
+from cluster_config.schema import Lane
 from muser import keys, tls
 from muser.errors import MuserError, RefusedError
 from muser.metrics import DaemonView, metrics_route, status_fields
-from muser.records import Identity
+from muser.records import Identity, RoundResult
 from muser.sampling import SamplingParams
 from muser.stats import DaemonStats, LaneStats
+from muser.width import FixedWidth, WidthPolicy, width_policy
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -101,11 +103,17 @@ class ProposerCore:
         """Rebuild sessions from the journal; start a runner for each unfinished one."""
         resumed = 0
         for sid, js in journal.replay(r.payload for r in self.log.records()).items():
-            session = ProposerSession.from_open(js.open, js.epoch, js.prompt, js.draft_len)
+            session = ProposerSession.from_open(
+                js.open,
+                js.epoch,
+                js.prompt,
+                js.draft_len,
+                session_width(self.config.lane, js.draft_len),
+            )
             for signed in js.committed:
-                from muser.records import RoundResult
-
-                session.apply(RoundResult.decode(signed.body))
+                result = RoundResult.decode(signed.body)
+                session.apply(result)
+                session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
             session.prepared = js.prepared
             session.done = session.done or js.done
             runner = self._runner(session)
@@ -144,8 +152,7 @@ class ProposerCore:
         if bad:
             raise RefusedError(f"prompt token {bad[0]} outside the vocabulary [0, {vocab})")
         lane = self.config.lane
-        draft_len = draft_len or lane.draft_len
-        if not lane.draft_len_min <= draft_len <= lane.draft_len_max:
+        if draft_len and not lane.draft_len_min <= draft_len <= lane.draft_len_max:
             raise RefusedError(
                 f"draft_len {draft_len} is outside the cluster's lane range "
                 f"[{lane.draft_len_min}, {lane.draft_len_max}] (lane.draft_len_min/_max)"
@@ -158,6 +165,7 @@ class ProposerCore:
             self.key_id,
             draft_len,
             tuple(self.config.lane.capture_layers),
+            width=session_width(lane, draft_len),
         )
         await self.log.append_async(
             journal.encode_open(session.open, session.epoch, prompt, draft_len)
@@ -166,6 +174,19 @@ class ProposerCore:
         runner = self._runner(session)
         runner.start()
         return runner
+
+
+def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
+    """A session's width policy: fixed at the D it asked for, or (0: it asked for none) the
+    lane's — `lane.width` within [draft_len_min, draft_len_max], starting at draft_len.
+    Draftless rounds decode `lane.decode_len` tokens, one when the lane captures hidden rows
+    (decode rounds carry no captures)."""
+    decode_len = 1 if lane.capture_layers else lane.decode_len
+    if draft_len:
+        return FixedWidth(draft_len, decode_len)
+    return width_policy(
+        lane.width, lane.draft_len, lane.draft_len_min, lane.draft_len_max, decode_len
+    )
 
 
 def _identity(i) -> Identity:

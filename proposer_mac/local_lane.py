@@ -10,11 +10,13 @@ from collections.abc import Callable, Sequence
 from muser.backend import ModelBackend
 from muser.generation import GenerationResult
 from muser.mt19937 import Mt19937
-from muser.round import clip_emission, plan_depth
+from muser.round import clip_emission
 from muser.sampling import SamplingParams, target_probs
 from muser.stats import LaneStats
 from muser.verify import judge_round
+from muser.width import FixedWidth, WidthPolicy
 from proposer_mac.drafting import Drafter
+from verifier_gx.decode import decode_round
 from verifier_gx.executor import TargetExecutor
 
 
@@ -28,11 +30,14 @@ def run_local(
     q_top_k: int = 32,
     record_rows: bool = False,
     on_tokens: Callable[[list[int]], None] | None = None,
+    width: WidthPolicy | None = None,
 ) -> GenerationResult:
+    """`width` chooses each round's D (default: `draft_len` every round)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if draft_len < 0:
         raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+    width = FixedWidth(draft_len) if width is None else width
     stats = LaneStats()
     drafter = Drafter(draft, params, q_top_k)
     executor = TargetExecutor(target)
@@ -42,26 +47,36 @@ def run_local(
     rows = {}
     start = time.perf_counter()
     while True:
-        depth = plan_depth(draft_len, params.max_tokens - len(out))
         t0 = time.perf_counter()
+        remaining = params.max_tokens - len(out)
+        depth = width.choose(remaining)
         proposal = drafter.draft(transcript, rng, depth)
         t1 = time.perf_counter()
-        logits = executor.witness_logits(transcript, proposal.drafts)
-        witness = target_probs(logits, params)
-        decision = judge_round(
-            rng, transcript[-1], proposal.drafts, proposal.q_rows, witness, greedy=params.greedy
-        )
-        executor.settle(len(transcript), decision.accepted)
+        if depth == 0:  # a draftless round: the target decodes decode_len tokens itself
+            decoded = decode_round(executor, transcript, rng, width.decode_len(remaining), params)
+            logits, accepted, emitted = decoded.logits, 0, decoded.tokens
+            rng = decoded.post_state
+        else:
+            logits = executor.witness_logits(transcript, proposal.drafts)
+            witness = target_probs(logits, params)
+            decision = judge_round(
+                rng, transcript[-1], proposal.drafts, proposal.q_rows, witness, greedy=params.greedy
+            )
+            executor.settle(len(transcript), decision.accepted)
+            accepted, emitted = decision.accepted, decision.emitted(proposal.drafts)
+            rng = decision.post_state
+        t2 = time.perf_counter()
         stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
+        stats.verify_s += t2 - t1
         if record_rows:
-            for k in range(decision.accepted + 1):
+            for k in range(len(emitted)):
                 rows[len(transcript) + k] = logits[k]
-        rng = decision.post_state
-        emission = clip_emission(
-            decision.emitted(proposal.drafts), len(out), params.max_tokens, params.stop_tokens
+        emission = clip_emission(emitted, len(out), params.max_tokens, params.stop_tokens)
+        stats.observe_round(depth, accepted, len(emission.tokens))
+        width.observe(
+            depth, accepted, len(emitted), draft_s=t1 - t0, verify_s=t2 - t1, round_s=t2 - t0
         )
-        stats.observe_round(depth, decision.accepted, len(emission.tokens))
+        stats.width = width.to_dict()
         out += emission.tokens
         transcript += emission.tokens
         if on_tokens:

@@ -33,6 +33,7 @@ from muser.records import (
 )
 from muser.round import clip_emission
 from muser.sampling import SamplingParams, SparseRow
+from muser.width import FixedWidth, WidthPolicy
 
 
 class ResultRejected(RefusedError):
@@ -45,6 +46,9 @@ class ProposerSession:
     epoch: int
     prompt: list[int]
     draft_len: int
+    """As journaled: the D the session asked for, 0 for the lane's width policy."""
+    width: WidthPolicy
+    """Chooses each round's D (`muser.width`); a speed policy, never journaled."""
     transcript: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     """Tokens handed to clients (clipped at stop tokens / max tokens)."""
@@ -65,6 +69,7 @@ class ProposerSession:
         draft_len: int,
         capture_layers: tuple[int, ...] = (),
         epoch: int = 1,
+        width: WidthPolicy | None = None,
     ) -> ProposerSession:
         open_ = SessionOpen(
             os.urandom(16),
@@ -75,11 +80,19 @@ class ProposerSession:
             proposer_key_id,
             capture_layers,
         )
-        return cls.from_open(open_, epoch, prompt, draft_len)
+        return cls.from_open(open_, epoch, prompt, draft_len, width)
 
     @classmethod
-    def from_open(cls, open_: SessionOpen, epoch: int, prompt: list[int], draft_len: int):
-        s = cls(open_, epoch, list(prompt), draft_len)
+    def from_open(
+        cls,
+        open_: SessionOpen,
+        epoch: int,
+        prompt: list[int],
+        draft_len: int,
+        width: WidthPolicy | None = None,
+    ):
+        width = FixedWidth(draft_len) if width is None else width
+        s = cls(open_, epoch, list(prompt), draft_len, width)
         s.transcript = list(prompt)
         s.head = open_.genesis_head()
         s.state = Mt19937.from_seed(open_.params.seed)
@@ -101,7 +114,11 @@ class ProposerSession:
         return out
 
     def build_request(
-        self, drafts: list[int], q_rows: list[SparseRow], private: Ed25519PrivateKey
+        self,
+        drafts: list[int],
+        q_rows: list[SparseRow],
+        private: Ed25519PrivateKey,
+        decode_len: int = 1,
     ) -> Signed:
         request = RoundRequest(
             self.session_id,
@@ -114,6 +131,7 @@ class ProposerSession:
             state_digest(self.state),
             tuple(sha256(c) for c in transcript_chunks(self.transcript)),
             self.open.proposer_key_id,
+            decode_len,
         )
         body = request.encode()
         return Signed(body, private.sign(body))
@@ -151,29 +169,52 @@ class ProposerSession:
                 raise ResultRejected(f"result {name} is {got!r}, expected {expected!r}")
         if not 0 <= result.accepted <= depth:
             raise ResultRejected(f"result accepted {result.accepted} drafts of {depth}")
-        if not 0 <= result.next_frontier < self.open.target.vocab_size:
-            raise ResultRejected(f"next frontier {result.next_frontier} outside the vocabulary")
-        post = advance(self.state, draws_for_round(depth, result.accepted, self.params.greedy))
+        emitted = result.emitted()
+        vocab = self.open.target.vocab_size
+        if any(not 0 <= t < vocab for t in (*result.decoded, result.next_frontier)):
+            raise ResultRejected(f"result tokens {emitted} reach outside the vocabulary")
+        self._check_decoded(request, result)
+        post = advance(
+            self.state, draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
+        )
         if result.post_state_digest != state_digest(post):
             raise ResultRejected("result post-round MT state digest does not match the draws")
-        if result.transcript_digest != transcript_digest(self.transcript + result.emitted()):
+        if result.transcript_digest != transcript_digest(self.transcript + emitted):
             raise ResultRejected("result transcript digest does not match the emitted tokens")
         if result.head != result.expected_head():
             raise ResultRejected("result head is not H(prev_head ‖ round record)")
         return result
 
+    def _check_decoded(self, request: RoundRequest, result: RoundResult) -> None:
+        """A round with drafts decodes nothing; a decode round emits exactly the tokens it
+        asked for, or fewer ending at its first stop token."""
+        emitted, stops = result.emitted(), self.params.stop_tokens
+        if request.drafts:
+            if result.decoded:
+                raise ResultRejected(
+                    f"result decoded {list(result.decoded)} in a round with drafts"
+                )
+            return
+        early = any(t in stops for t in emitted[:-1])
+        short = len(emitted) < request.decode_len and emitted[-1] not in stops
+        if len(emitted) > request.decode_len or early or short:
+            raise ResultRejected(
+                f"decode round asked for {request.decode_len} tokens (ending early only at a "
+                f"stop token {list(stops)}); the result emits {emitted}"
+            )
+
     def apply(self, result: RoundResult) -> list[int]:
         """Advance past a checked, journaled result; return the tokens to emit."""
-        depth = len(result.drafts)
+        depth, emitted = len(result.drafts), result.emitted()
         self.state = advance(
-            self.state, draws_for_round(depth, result.accepted, self.params.greedy)
+            self.state, draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
         )
-        self.transcript += result.emitted()
+        self.transcript += emitted
         self.head = result.head
         self.next_round += 1
         self.prepared = None
         emission = clip_emission(
-            result.emitted(), len(self.emitted), self.params.max_tokens, self.params.stop_tokens
+            emitted, len(self.emitted), self.params.max_tokens, self.params.stop_tokens
         )
         self.emitted += emission.tokens
         self.done = emission.done

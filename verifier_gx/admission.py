@@ -15,6 +15,7 @@ from muser.canonical import Writer
 from muser.errors import (
     CaptureLayerError,
     ContextOverflowError,
+    DecodeLengthError,
     DraftOverrunError,
     DraftZeroProbabilityError,
     FragmentMismatchError,
@@ -37,7 +38,7 @@ from muser.records import (
 from muser.sampling import SamplingParams
 from muser.verify import replay_drafts
 from verifier_gx.fragments import FragmentStage
-from verifier_gx.journal import SessionState
+from verifier_gx.journal import SessionState, short
 
 
 def check_identities(
@@ -171,6 +172,32 @@ def check_closure(state: SessionState, request: RoundRequest, stage: FragmentSta
         raise FrontierMismatchError(
             f"frontier {request.frontier} received; the committed transcript ends with "
             f"{state.transcript[-1]}"
+        )
+
+
+def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int) -> None:
+    """A round's decode_len (verifier_gx/decode.py): 1 with drafts; without, at most what
+    the session may still emit and the lane's `decode_len`, on a session without captures."""
+    k, depth, sid = request.decode_len, len(request.drafts), short(state.session_id)
+    if k < 1:
+        raise DecodeLengthError(f"decode_len must be >= 1, got {k}")
+    if depth and k != 1:
+        raise DecodeLengthError(
+            f"a round with {depth} drafts decodes nothing more: decode_len must be 1, got {k}"
+        )
+    if k > max_decode_len:
+        raise DecodeLengthError(
+            f"decode_len {k} received; this verifier's lane.decode_len allows at most "
+            f"{max_decode_len}"
+        )
+    if k > state.remaining:
+        raise DecodeLengthError(
+            f"decode_len {k} received; session {sid} may emit {state.remaining} more tokens"
+        )
+    if k > 1 and state.open.capture_layers:
+        raise DecodeLengthError(
+            f"decode_len {k} received; session {sid} captures layers "
+            f"{list(state.open.capture_layers)}, and decode rounds carry no captures"
         )
 
 

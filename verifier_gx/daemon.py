@@ -147,6 +147,7 @@ def create_server(
             limits=config.limits,
             clock=clock,
             qualified_draft=qualified_draft,
+            max_decode_len=config.lane.decode_len,
         )
         commit_log.on_fsync = manager.stats.observe_fsync
         size = config.limits.max_message_bytes

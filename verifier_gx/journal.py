@@ -181,16 +181,20 @@ class SessionState:
                 raise JournalError(f"{where}: {name} is {got!r}, expected {expected!r}")
         if self.done:
             raise JournalError(f"{where}: the session already finished at round {self.next_round}")
-        depth = len(result.drafts)
+        depth, emitted = len(result.drafts), result.emitted()
         if not 0 <= result.accepted <= depth:
             raise JournalError(f"{where}: accepted {result.accepted} of {depth} drafts")
-        post = advance(self.mt, draws_for_round(depth, result.accepted, self.params.greedy))
+        if depth and result.decoded:
+            raise JournalError(f"{where}: decoded {list(result.decoded)} in a round with drafts")
+        post = advance(
+            self.mt, draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
+        )
         if state_digest(post) != result.post_state_digest:
             raise JournalError(
                 f"{where}: post-round MT state digest {result.post_state_digest.hex()} is not "
                 f"the pre-round state advanced by the round's draws ({state_digest(post).hex()})"
             )
-        expected_transcript = transcript_digest(self.transcript + result.emitted())
+        expected_transcript = transcript_digest(self.transcript + emitted)
         if result.transcript_digest != expected_transcript:
             raise JournalError(
                 f"{where}: transcript digest {result.transcript_digest.hex()}, expected "

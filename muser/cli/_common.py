@@ -31,6 +31,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 LOCAL_DRAFT_LEN = 4
 """D of the local lane when --draft-len is not given."""
+DECODE_LEN = 8
+"""Tokens a draftless round of the local lane decodes (lane.decode_len's default)."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +58,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="drafts per round D (default 4; with --lane cluster: the cluster's lane.draft_len)",
     )
     g.add_argument(
+        "--width",
+        choices=["fixed", "adaptive"],
+        default=None,
+        help="local lane: fixed runs --draft-len every round (default); adaptive picks each "
+        "round's D in --draft-range from measured acceptance and costs, starting at "
+        "--draft-len (--lane cluster: the cluster's lane.width decides)",
+    )
+    g.add_argument(
+        "--draft-range",
+        default=None,
+        metavar="LO:HI",
+        help="the range --width adaptive moves D in (default 0:8)",
+    )
+    g.add_argument(
         "--draft-window",
         type=int,
         default=None,
@@ -75,6 +91,30 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="override rope_theta read from the checkpoint config (both models)",
     )
+
+
+def local_width(args: argparse.Namespace):
+    """The local lane's width policy from --width/--draft-range (None: fixed at --draft-len)."""
+    from muser.width import width_policy
+
+    if args.width != "adaptive":
+        if args.draft_range is not None:
+            raise RefusedError("--draft-range needs --width adaptive")
+        return None
+    start = LOCAL_DRAFT_LEN if args.draft_len is None else args.draft_len
+    lo, hi = parse_draft_range(args.draft_range or "0:8", start)
+    return width_policy("adaptive", start, lo, hi, decode_len=DECODE_LEN)
+
+
+def parse_draft_range(text: str, draft_len: int) -> tuple[int, int]:
+    """--draft-range LO:HI, which must hold --draft-len."""
+    lo, sep, hi = text.partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit() and int(lo) <= draft_len <= int(hi)):
+        raise RefusedError(
+            f"--draft-range must be LO:HI with 0 <= LO <= --draft-len ({draft_len}) <= HI, "
+            f"got {text!r}"
+        )
+    return int(lo), int(hi)
 
 
 def sampling_params(args: argparse.Namespace):

@@ -31,7 +31,13 @@ backend = "{draft_backend}"
 
 [lane]
 draft_len = {draft_len}
-# draft_len_min / draft_len_max: the range D may move in (default: fixed at draft_len)
+# draft_len_min / draft_len_max: the range D may move in (default: fixed at draft_len).
+# With a range, width = "adaptive" picks each round's D in it from the session's measured
+# acceptance and costs (0 = singleton rounds); "fixed" keeps draft_len. Adaptive widths
+# depend on timing, so a seed then pins the distribution of sampled text, not the text.
+width = "adaptive"
+# tokens a draftless round (D = 0) asks the verifier to decode itself
+decode_len = 8
 q_top_k = 32
 # `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
 receipt = "qualification.json"
@@ -45,6 +51,10 @@ proposers = ["keys/proposer.pub"]
 max_sessions = 64
 max_message_bytes = 8388608
 max_tokens = 4096
+# the verifier: sessions whose target KV it keeps, rounds per batched forward, rounds waiting
+kv_sessions = 16
+max_batch = 8
+round_queue = 64
 """
 
 TLS_SECTION = """

@@ -7,6 +7,7 @@ import json
 import sys
 
 from muser.cli._common import add_model_args, add_sampling_args
+from muser.errors import RefusedError
 
 
 def register(sub, name: str, help_text: str) -> None:
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from muser.cli._common import (
         TextStreamer,
         encode_prompt,
+        local_width,
         open_models,
         read_prompt,
         sampling_params,
@@ -43,7 +45,18 @@ def run(args: argparse.Namespace) -> int:
     if args.lane == "cluster":
         from muser.cli.cluster_client import generate_cluster
 
+        if args.width is not None or args.draft_range is not None:
+            raise RefusedError(
+                "--width/--draft-range are local-lane flags: with --lane cluster the "
+                "cluster's lane.width decides (pass --draft-len to fix D)"
+            )
+
         return generate_cluster(args, params, text)
+    if args.lane == "plain" and (args.width is not None or args.draft_range is not None):
+        raise RefusedError(
+            "--width/--draft-range are local-lane flags; --lane plain drafts nothing"
+        )
+    width = local_width(args) if args.lane == "local" else None  # refused before loading
     models = open_models(args, need_draft=args.lane == "local")
     prompt = encode_prompt(models.tokenizer, text)
     streamer = None if args.json else TextStreamer(models.tokenizer)
@@ -64,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             draft_len=args.draft_len,
             q_top_k=args.q_top_k,
             on_tokens=streamer,
+            width=width,
         )
     result.text = models.tokenizer.decode(result.tokens)
     if args.json:
@@ -83,7 +97,12 @@ def run(args: argparse.Namespace) -> int:
                 ("wall", f"{s.wall_s:.3f} s"),
                 ("tokens/s", f"{s.tokens_per_s:.1f}"),
                 ("split draft/verify", f"{s.draft_s:.3f} s / {s.verify_s:.3f} s"),
+                ("rounds by D", _by_width(s.draft_len_hist)),
             ]
         )
     )
     return 0
+
+
+def _by_width(hist: dict[int, int]) -> str:
+    return " ".join(f"D={d}:{n}" for d, n in sorted(hist.items())) or "-"

@@ -93,6 +93,7 @@ def request_to_pb(signed: Signed) -> pb.RoundRequest:
         transcript_digests=list(r.transcript_digests),
         proposer_key_id=r.proposer_key_id,
         signature=signed.signature,
+        decode_len=r.decode_len,
     )
 
 
@@ -112,6 +113,7 @@ def request_from_pb(m: pb.RoundRequest) -> Signed:
         m.pre_state_digest,
         tuple(m.transcript_digests),
         m.proposer_key_id,
+        m.decode_len,
     )
     return Signed(r.encode(), m.signature)
 
@@ -135,6 +137,7 @@ def result_to_pb(signed: Signed, timings: dict[str, float] | None = None) -> pb.
         head=r.head,
         verifier_key_id=r.verifier_key_id,
         signature=signed.signature,
+        decoded=list(r.decoded),
         verify_s=t.get("verify_s", 0.0),
         wal_s=t.get("wal_s", 0.0),
         sign_s=t.get("sign_s", 0.0),
@@ -157,5 +160,6 @@ def result_from_pb(m: pb.RoundResult) -> Signed:
         tuple(m.capture_digests),
         m.head,
         m.verifier_key_id,
+        tuple(m.decoded),
     )
     return Signed(r.encode(), m.signature)

@@ -105,7 +105,7 @@ class SparseRow(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature")
+    __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature", "decode_len")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class RoundRequest(_message.Message):
     TRANSCRIPT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LEN_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     round: int
     epoch: int
@@ -128,10 +129,11 @@ class RoundRequest(_message.Message):
     transcript_digests: _containers.RepeatedScalarFieldContainer[bytes]
     proposer_key_id: str
     signature: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    decode_len: int
+    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., decode_len: _Optional[int] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s")
+    __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s", "decoded")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class RoundResult(_message.Message):
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     WAL_S_FIELD_NUMBER: _ClassVar[int]
     SIGN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     round: int
     epoch: int
@@ -168,7 +171,8 @@ class RoundResult(_message.Message):
     verify_s: float
     wal_s: float
     sign_s: float
-    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., prev_head: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., post_state_digest: _Optional[bytes] = ..., transcript_digest: _Optional[bytes] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., head: _Optional[bytes] = ..., verifier_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., verify_s: _Optional[float] = ..., wal_s: _Optional[float] = ..., sign_s: _Optional[float] = ...) -> None: ...
+    decoded: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., prev_head: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., post_state_digest: _Optional[bytes] = ..., transcript_digest: _Optional[bytes] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., head: _Optional[bytes] = ..., verifier_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., verify_s: _Optional[float] = ..., wal_s: _Optional[float] = ..., sign_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("session_id", "round")

@@ -62,3 +62,30 @@ def test_bad_flags_are_refused_with_the_value(capsys):
     assert code == 2 and "0" in err
     code, _, err = generate(capsys, "--lane", "cluster")
     assert code == 2 and "--config" in err
+
+
+def test_width_flags_take_effect(capsys):
+    flags = ["--lane", "local", "--max-tokens", "64", "--temperature", "1", "--seed", "3"]
+    _, fixed, _ = generate(capsys, *flags, "--draft-len", "4", prompt=None)
+    assert fixed["stats"]["width"] == {"mode": "fixed", "draft_len": 4}
+    ranged = ["--width", "adaptive", "--draft-range", "1:8", "--draft-len", "8"]
+    _, adaptive, _ = generate(capsys, *flags, *ranged, prompt=None)
+    width = adaptive["stats"]["width"]
+    assert width["mode"] == "adaptive" and width["range"] == [1, 8]
+    used = {int(d) for d in adaptive["stats"]["rounds_by_draft_len"]}
+    # at T=1 the fixture draft agrees on ~1 draft in 3: eight drafts a round never pay
+    assert max(used) <= 8 and min(used) < 8 and ({1, 2} & used)
+    assert max(int(d) for d in fixed["stats"]["rounds_by_draft_len"]) == 4
+
+
+def test_width_flags_are_refused_where_they_mean_nothing(capsys):
+    code, _, err = generate(
+        capsys, "--lane", "local", "--width", "adaptive", "--draft-range", "5:8"
+    )
+    assert code == 2 and "LO <= --draft-len (4) <= HI, got '5:8'" in err
+    code, _, err = generate(capsys, "--lane", "local", "--draft-range", "0:8")
+    assert code == 2 and "--draft-range needs --width adaptive" in err
+    code, _, err = generate(capsys, "--lane", "plain", "--width", "adaptive")
+    assert code == 2 and "--lane plain drafts nothing" in err
+    code, _, err = generate(capsys, "--lane", "cluster", "--width", "fixed", "--config", "x")
+    assert code == 2 and "the cluster's lane.width decides" in err

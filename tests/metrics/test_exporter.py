@@ -91,6 +91,7 @@ def test_lane_total_sums_sessions():
     total = LaneStats.total([a, b])
     assert (total.rounds, total.drafted, total.accepted, total.emitted) == (3, 8, 4, 7)
     assert total.tokens_per_round_hist == {4: 1, 2: 1, 1: 1}
+    assert total.draft_len_hist == {4: 2, 0: 1}
     assert total.verify_s == 1.0 and total.phases["verify"].count == 3
     assert total.phases["verify"].sum == 1.0
 
@@ -144,6 +145,8 @@ def test_exposition_holds_the_observed_values(known):
         ("muser_tokens_per_round_bucket", (("le", "+Inf"),)): 2.0,
         ("muser_tokens_per_round_count", ()): 2.0,
         ("muser_tokens_per_round_sum", ()): 7.0,
+        # both rounds drafted four tokens
+        ("muser_rounds_by_draft_len_total", (("draft_len", "4"),)): 2.0,
         # fsync: 0.4 ms and 20 ms
         ("muser_wal_fsync_seconds_bucket", (("le", "0.00025"),)): 0.0,
         ("muser_wal_fsync_seconds_bucket", (("le", "0.0005"),)): 1.0,

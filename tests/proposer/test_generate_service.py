@@ -289,3 +289,82 @@ async def test_a_session_may_ask_for_a_draft_len_inside_the_lane_range_only(key_
             )
     finally:
         await stop(c)
+
+
+@pytest.mark.asyncio
+async def test_a_lane_at_d0_has_the_verifier_decode_and_emits_the_local_lane(key_set, tmp_path):
+    from muser.width import FixedWidth
+
+    local = run_local(
+        FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, PARAMS, width=FixedWidth(0, 1)
+    )
+    for decode_len, rounds in ((1, 40), (8, 5)):
+        c = await start(
+            key_set, tmp_path / str(decode_len), lane={"draft_len": 0, "decode_len": decode_len}
+        )
+        try:
+            runner = await c.server.core.start_session(PROMPT, PARAMS)
+            await runner.task
+            assert runner.session.emitted == local.tokens
+            assert runner.stats.rounds == rounds and runner.stats.drafted == 0
+            assert runner.stats.width == {"mode": "fixed", "draft_len": 0, "decode_len": decode_len}
+        finally:
+            await stop(c)
+
+
+@pytest.mark.asyncio
+async def test_an_adaptive_lane_emits_the_local_lane_at_the_same_widths(key_set, tmp_path):
+    from muser.records import RoundResult
+    from muser.width import ScriptedWidth
+    from proposer_mac import journal
+
+    lane = {"draft_len": 4, "draft_len_min": 0, "draft_len_max": 6, "decode_len": 4}
+    c = await start(key_set, tmp_path, lane=lane)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=120, seed=8)
+        runner = await c.server.core.start_session(PROMPT, params)
+        await runner.task
+        sid = runner.session.session_id
+        journaled = journal.replay(r.payload for r in c.server.core.log.records())
+        results = [RoundResult.decode(s.body) for s in journaled[sid].committed]
+    finally:
+        await stop(c)
+    widths = [len(r.drafts) for r in results]
+    assert runner.stats.width["mode"] == "adaptive" and len(set(widths)) > 1, widths
+    local = run_local(
+        FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params, width=ScriptedWidth(widths, 4)
+    )
+    assert runner.session.emitted == local.tokens
+
+
+@pytest.mark.asyncio
+async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, monkeypatch):
+    from proposer_mac.link import RoundRefused, RoundStream
+
+    real, refused = RoundStream.round_trip, []
+
+    async def busy_twice(self, signed, fragments):
+        if len(refused) < 2:
+            refused.append(signed)
+            raise RoundRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "round_queue_full", "full")
+        return await real(self, signed, fragments)
+
+    monkeypatch.setattr(RoundStream, "round_trip", busy_twice)
+    runner = await cluster.server.core.start_session(PROMPT, PARAMS)
+    await runner.task
+    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, PARAMS, q_top_k=32)
+    assert runner.error is None and runner.session.emitted == local.tokens
+    assert runner.stats.queue_full_retries == 2 and refused[0] == refused[1]  # the same bytes
+
+
+@pytest.mark.asyncio
+async def test_other_refusals_still_end_the_session(cluster, monkeypatch):
+    from proposer_mac.link import RoundRefused, RoundStream
+
+    async def refuse(self, signed, fragments):
+        raise RoundRefused(grpc.StatusCode.ABORTED, "head_mismatch", "head")
+
+    monkeypatch.setattr(RoundStream, "round_trip", refuse)
+    runner = await cluster.server.core.start_session(PROMPT, PARAMS)
+    await runner.task
+    assert isinstance(runner.error, RoundRefused) and runner.session.emitted == []

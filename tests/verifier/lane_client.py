@@ -88,6 +88,8 @@ class LaneClient:
     q_top_k: int = 5
     epoch: int = 1
     capture_layers: tuple[int, ...] = ()
+    decode_len: int = 1
+    """Tokens a draftless round asks the verifier to decode (capped at what remains)."""
     session_id: bytes = field(default_factory=lambda: os.urandom(16))
     results: list[Signed] = field(default_factory=list)
 
@@ -137,7 +139,8 @@ class LaneClient:
         return out
 
     def draft_request(self) -> RoundRequest:
-        depth = plan_depth(self.draft_len, self.params.max_tokens - len(self.out))
+        remaining = self.params.max_tokens - len(self.out)
+        depth = plan_depth(self.draft_len, remaining)
         proposal = self.drafter.draft(self.transcript, self.mt, depth)
         return RoundRequest(
             self.session_id,
@@ -150,6 +153,7 @@ class LaneClient:
             state_digest(self.mt),
             tuple(sha256(c) for c in transcript_chunks(self.transcript)),
             self.key_id,
+            1 if depth else min(self.decode_len, remaining),
         )
 
     def sign(self, request: RoundRequest, key: Ed25519PrivateKey | None = None) -> pb.RoundRequest:
@@ -164,7 +168,10 @@ class LaneClient:
         keys.verify(self.verifier_public, signed.body, signed.signature, "result")
         result = RoundResult.decode(signed.body)
         depth = len(request.drafts)
-        post = advance(self.mt, draws_for_round(depth, result.accepted, self.params.greedy))
+        emitted = len(result.emitted())
+        post = advance(
+            self.mt, draws_for_round(depth, result.accepted, self.params.greedy, emitted)
+        )
         checks = [
             (result.prev_head, self.head),
             (result.head, result.expected_head()),

@@ -3,6 +3,7 @@ written to the WAL and the session state is unchanged (DESIGN.md §5, §6)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -77,7 +78,17 @@ MUTATIONS = {
     "transcript_chunk_count": (lambda r: dataclasses.replace(
                                    r, transcript_digests=r.transcript_digests * 2),
                                C.FAILED_PRECONDITION, "fragment_mismatch"),
+    "decode_len_zero": (lambda r: dataclasses.replace(r, decode_len=0),
+                        C.INVALID_ARGUMENT, "decode_len"),
+    "decode_len_with_drafts": (lambda r: dataclasses.replace(r, decode_len=2),
+                               C.INVALID_ARGUMENT, "decode_len"),
+    "decode_len_over_the_lane": (lambda r: undrafted(r, 9), C.INVALID_ARGUMENT, "decode_len"),
 }  # fmt: skip
+
+
+def undrafted(request: RoundRequest, decode_len: int) -> RoundRequest:
+    """The round without drafts, asking the verifier to decode `decode_len` tokens."""
+    return dataclasses.replace(request, drafts=(), q_rows=(), decode_len=decode_len)
 
 
 async def opened(verifier: Verifier, rounds: int = 2, **kw):
@@ -245,13 +256,51 @@ async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(veri
 
     client, stream = await opened(verifier)
 
-    def failing_append(payload: bytes) -> int:  # rounds commit from the compute thread
+    async def failing_append(payload: bytes) -> int:  # rounds commit from the event loop
         raise WalIOError("fsync of seg-1.wal failed: [Errno 5] Input/output error")
 
-    verifier.manager.log.append = failing_append
+    verifier.manager.log.append_async = failing_append
     await expect_refused(
         verifier, client, stream, client.sign(client.draft_request()), C.INTERNAL, "wal_failure"
     )
     health = health_pb2_grpc.HealthStub(verifier.channel)
     reply = await health.Check(health_pb2.HealthCheckRequest(service="muser.v2.Verifier"))
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_decode_len_past_what_the_session_may_emit(verifier):
+    client = verifier.client(dataclasses.replace(SAMPLED, max_tokens=5), epoch=3, draft_len=0)
+    await client.open_session()
+    stream = await client.attach()
+    err = await expect_refused(
+        verifier, client, stream, client.sign(undrafted(client.draft_request(), 6)),
+        C.INVALID_ARGUMENT, "decode_len",
+    )  # fmt: skip
+    assert "decode_len 6 received" in err.message and "may emit 5 more tokens" in err.message
+
+
+async def test_decode_rounds_emit_exactly_their_singleton_rounds(verifier):
+    runs = {}
+    for decode_len in (1, 8):
+        client = verifier.client(SAMPLED, epoch=3, draft_len=0, decode_len=decode_len)
+        await client.open_session()
+        await client.run(await client.attach())
+        runs[decode_len] = client
+    one, eight = runs[1], runs[8]
+    assert eight.out == one.out and len(one.out) == SAMPLED.max_tokens
+    assert (len(one.results), len(eight.results)) == (40, 5)
+
+
+async def test_a_capturing_session_decodes_one_token_a_round(verifier):
+    """Decode rounds carry no captures (this fake target cannot capture at all, so the rule
+    is checked on a copy of a live session's state that says it captures layer 0)."""
+    from muser.errors import DecodeLengthError
+    from verifier_gx.admission import check_decode
+
+    client, _ = await opened(verifier, draft_len=0)
+    state = copy.copy(verifier.manager.state(client.session_id))
+    state.open = dataclasses.replace(state.open, capture_layers=(0,))
+    request = undrafted(client.draft_request(), 2)
+    with pytest.raises(DecodeLengthError, match=r"captures layers \[0\], and decode rounds"):
+        check_decode(state, request, 8)
+    check_decode(state, undrafted(client.draft_request(), 1), 8)  # one token a round is fine
