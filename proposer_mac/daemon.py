@@ -94,8 +94,12 @@ class ProposerCore:
         return self._tokenizer
 
     def _runner(self, session: ProposerSession) -> SessionRunner:
-        drafter = Drafter(self.draft, session.params, self.config.lane.q_top_k)
-        runner = SessionRunner(session, drafter, self.context)
+        # each session drafts on a KV of its own when the backend can fork one (torch, mlx):
+        # interleaved sessions then never re-prefill each other's transcripts
+        own = hasattr(self.draft, "fork")
+        drafter = Drafter(self.draft.fork() if own else self.draft, session.params,
+                          self.config.lane.q_top_k)  # fmt: skip
+        runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
         return runner
 

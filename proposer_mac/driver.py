@@ -52,8 +52,17 @@ class Speculating:
 class SessionRunner:
     """Drives one session to completion and lets clients wait for its tokens."""
 
-    def __init__(self, session: ProposerSession, drafter: Drafter, core: DriverContext):
+    def __init__(
+        self,
+        session: ProposerSession,
+        drafter: Drafter,
+        core: DriverContext,
+        *,
+        owns_draft_kv: bool = False,
+    ):
         self.session, self.drafter, self.core = session, drafter, core
+        self.owns_draft_kv = owns_draft_kv
+        """The drafter's backend is this session's own fork: its KV is dropped at the end."""
         self.stats = LaneStats()
         self.changed = asyncio.Condition()
         self.error: Exception | None = None
@@ -101,6 +110,9 @@ class SessionRunner:
             log.error("session %s failed: %s", self.session.session_id.hex()[:8], exc)
             self.error = exc
         finally:
+            if self.owns_draft_kv:  # in the draft thread: after any speculation still running
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self.core.draft_pool, self.drafter.cursor.backend.reset)
             await self._notify()
 
     def _start_draft(self) -> asyncio.Future:
@@ -211,8 +223,7 @@ class SessionRunner:
                 # nothing was written there: the same request goes again, on the same stream
                 delay = backoff * (0.5 + random.random())  # jitter: refused sessions spread
                 log.info(
-                    "session %s round %d: the verifier's round queue is full; re-sending in "
-                    "%.2fs",
+                    "session %s round %d: the verifier's round queue is full; re-sending in %.2fs",
                     s.session_id.hex()[:8],
                     s.next_round,
                     delay,

@@ -13,6 +13,7 @@ otherwise diverge from the target instead of drafting from a different model.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,6 +150,13 @@ class MlxBackend:
             logits = logits[0, :, : self.vocab_size].astype(mx.float32)
             mx.eval(logits)
         return np.array(logits, dtype=np.float64)
+
+    def fork(self) -> MlxBackend:
+        """An empty sequence over the same weights, through this very forward (the proposer
+        gives each session its own draft KV with it)."""
+        twin = copy.copy(self)
+        twin._cache, twin._tokens = self._new_cache(), []
+        return twin
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` tokens: trim the cache, or rebuild it when it cannot be trimmed."""

@@ -54,6 +54,11 @@ class WindowedBackend:
     def length(self) -> int:
         return len(self._tokens)
 
+    def fork(self) -> WindowedBackend:
+        """An empty sequence over the same weights and window (see TorchBackend.fork)."""
+        inner = self.inner.fork() if hasattr(self.inner, "fork") else self.inner
+        return WindowedBackend(inner, self.window)
+
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; row i from the `window` tokens ending at tokens[i]."""
         ids = check_tokens(tokens, self.vocab_size)

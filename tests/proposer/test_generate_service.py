@@ -48,6 +48,7 @@ async def start(
     ask_identity=False,
     speculate=True,
     lane=None,
+    draft=None,
     **limits,
 ):
     verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
@@ -67,7 +68,7 @@ async def start(
     )
     server, port = await create_server(
         cfg,
-        draft=FakeBackend(order=1, salt=1),
+        draft=draft or FakeBackend(order=1, salt=1),
         target_identity=None if ask_identity else identity_of(verifier.backend),
         tokenizer=CharTokenizer(),
     )
@@ -368,3 +369,30 @@ async def test_other_refusals_still_end_the_session(cluster, monkeypatch):
     runner = await cluster.server.core.start_session(PROMPT, PARAMS)
     await runner.task
     assert isinstance(runner.error, RoundRefused) and runner.session.emitted == []
+
+
+class ForkingDraft(FakeBackend):
+    """A draft that forks a sequence of its own per session (as torch and mlx do)."""
+
+    def __init__(self) -> None:
+        super().__init__(order=1, salt=1)
+        self.forks: list[FakeBackend] = []
+
+    def fork(self) -> FakeBackend:
+        self.forks.append(FakeBackend(order=1, salt=1))
+        return self.forks[-1]
+
+
+@pytest.mark.asyncio
+async def test_each_session_drafts_on_its_own_kv_and_drops_it_at_the_end(key_set, tmp_path):
+    draft = ForkingDraft()
+    c = await start(key_set, tmp_path, draft=draft)
+    try:
+        runners = [await c.server.core.start_session(PROMPT, PARAMS) for _ in range(3)]
+        await asyncio.gather(*(r.task for r in runners))
+    finally:
+        await stop(c)
+    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, PARAMS, q_top_k=32)
+    assert all(r.session.emitted == local.tokens for r in runners)
+    assert len(draft.forks) == 3 and draft.evaluated == 0  # the shared KV never drafted
+    assert all(f.evaluated > 0 and f.length == 0 for f in draft.forks)  # each dropped at its end

@@ -23,6 +23,7 @@ moves the point where `evaluate` refuses with ContextOverflowError.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from collections.abc import Sequence
@@ -426,6 +427,14 @@ class TorchBackend:
             captured[index] = hidden[0].to("cpu", torch.float32).numpy()
 
         return self._decoder_layers()[index].register_forward_hook(keep)
+
+    def fork(self) -> TorchBackend:
+        """An empty sequence over the same weights, through this very forward (rows
+        bit-equal to this backend's for the same tokens): the proposer gives each session its
+        own draft KV with it, so sessions never re-prefill each other's."""
+        twin = copy.copy(self)
+        twin._cache, twin._tokens = self._new_cache(), []
+        return twin
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` tokens of KV (a crop; refuses n < 0 or n > length)."""
