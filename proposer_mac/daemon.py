@@ -290,13 +290,16 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"offset {offset} beyond the {len(session.emitted)} tokens emitted",
             )
+        sent = core.tokenizer.decode(session.emitted[:offset])  # the text before this stream
         while True:
             try:
                 tokens, done = await runner.wait_tokens(offset)
             except MuserError as exc:
                 await context.abort(getattr(exc, "code", grpc.StatusCode.INTERNAL), str(exc))
-            prefix = core.tokenizer.decode(session.emitted[:offset])
-            text = core.tokenizer.decode(session.emitted[: offset + len(tokens)])[len(prefix) :]
+            # an event's text = text(tokens through it) minus text(tokens before it): what a
+            # client reconnecting at any offset also gets; one decode per event
+            whole = core.tokenizer.decode(session.emitted[: offset + len(tokens)])
+            text, sent = whole[len(sent) :], whole
             event = pb.GenerateEvent(
                 session_id=session.session_id,
                 offset=offset,

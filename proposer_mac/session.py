@@ -57,6 +57,8 @@ class ProposerSession:
     next_round: int = 0
     done: bool = False
     prepared: Signed | None = None
+    _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
+    """The last result check_result passed and the MT state after it."""
 
     @classmethod
     def create(
@@ -183,6 +185,7 @@ class ProposerSession:
             raise ResultRejected("result transcript digest does not match the emitted tokens")
         if result.head != result.expected_head():
             raise ResultRejected("result head is not H(prev_head ‖ round record)")
+        self._checked = (result, post)  # apply() takes the post-round state from here
         return result
 
     def _check_decoded(self, request: RoundRequest, result: RoundResult) -> None:
@@ -206,9 +209,13 @@ class ProposerSession:
     def apply(self, result: RoundResult) -> list[int]:
         """Advance past a checked, journaled result; return the tokens to emit."""
         depth, emitted = len(result.drafts), result.emitted()
-        self.state = advance(
-            self.state, draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
-        )
+        checked = self._checked
+        if checked is not None and checked[0] is result:
+            self.state = checked[1]
+        else:  # replayed from the journal at recovery: advance here
+            draws = draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
+            self.state = advance(self.state, draws)
+        self._checked = None
         self.transcript += emitted
         self.head = result.head
         self.next_round += 1
