@@ -203,6 +203,13 @@ class Limits(_Strict):
         8 * 1024 * 1024, ge=1024, description="Largest gRPC message either daemon accepts."
     )
     max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a session may ask for.")
+    finished_sessions: int = Field(
+        1024,
+        ge=1,
+        description="Finished sessions a proposer keeps in memory for clients that reconnect "
+        "for the rest of their stream; older ones are forgotten (their counts stay in the "
+        "metrics), and a reconnect to one is answered NOT_FOUND.",
+    )
     kv_sessions: int = Field(
         16,
         ge=1,

@@ -172,6 +172,11 @@ class LaneStats:
             self._closed[phase] = total
         now = self.clock()
         self.recent_emitted.append((now, emitted))
+        self.prune(now)
+
+    def prune(self, now: float | None = None) -> None:
+        """Forget rounds older than the rate window (`tokens_per_s` over the last minute)."""
+        now = self.clock() if now is None else now
         while self.recent_emitted and self.recent_emitted[0][0] < now - RATE_WINDOW_S:
             self.recent_emitted.popleft()
 

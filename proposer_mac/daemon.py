@@ -83,6 +83,8 @@ class ProposerCore:
             speculate=config.lane.speculate,
         )
         self.runners: dict[bytes, SessionRunner] = {}
+        self.retired = LaneStats(phases={})
+        """The summed stats of finished sessions forgotten beyond limits.finished_sessions."""
         self._tokenizer = tokenizer
 
     @property
@@ -101,7 +103,16 @@ class ProposerCore:
                           self.config.lane.q_top_k)  # fmt: skip
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
+        self._forget_finished()
         return runner
+
+    def _forget_finished(self) -> None:
+        """Keep at most limits.finished_sessions finished sessions (the oldest go first);
+        their stats are folded into `retired`, so the metrics' counters never go back."""
+        finished = [sid for sid, r in self.runners.items() if r.finished or r.error is not None]
+        for sid in finished[: max(0, len(finished) - self.config.limits.finished_sessions)]:
+            self.retired.merge(self.runners.pop(sid).stats)
+        self.retired.prune()
 
     def recover(self) -> int:
         """Rebuild sessions from the journal; start a runner for each unfinished one."""
@@ -248,7 +259,7 @@ def metrics_view(core: ProposerCore) -> DaemonView:
     return DaemonView(
         role="proposer",
         key_id=core.key_id,
-        lane=LaneStats.total(r.stats for r in runners),
+        lane=LaneStats.total([core.retired, *(r.stats for r in runners)]),
         daemon=core.stats,
         sessions=len(runners),
         open_sessions=sum(1 for r in runners if not r.session.done),
@@ -269,7 +280,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 if runner is None:
                     await context.abort(
                         grpc.StatusCode.NOT_FOUND,
-                        f"unknown session {bytes(request.session_id).hex()}",
+                        f"unknown session {bytes(request.session_id).hex()} (a proposer "
+                        "keeps the last limits.finished_sessions finished sessions)",
                     )
             else:
                 runner = await core.new_session(request)

@@ -51,6 +51,8 @@ proposers = ["keys/proposer.pub"]
 max_sessions = 64
 max_message_bytes = 8388608
 max_tokens = 4096
+# the proposer: finished sessions kept for clients that reconnect for the rest of a stream
+finished_sessions = 1024
 # the verifier: sessions whose target KV it keeps, rounds per batched forward, rounds waiting
 kv_sessions = 16
 max_batch = 8

@@ -396,3 +396,28 @@ async def test_each_session_drafts_on_its_own_kv_and_drops_it_at_the_end(key_set
     assert all(r.session.emitted == local.tokens for r in runners)
     assert len(draft.forks) == 3 and draft.evaluated == 0  # the shared KV never drafted
     assert all(f.evaluated > 0 and f.length == 0 for f in draft.forks)  # each dropped at its end
+
+
+@pytest.mark.asyncio
+async def test_old_finished_sessions_are_forgotten_but_still_counted(key_set, tmp_path):
+    from proposer_mac.daemon import metrics_view
+
+    c = await start(key_set, tmp_path, finished_sessions=2)
+    try:
+        runners = []
+        for _ in range(4):
+            runners.append(await c.server.core.start_session(PROMPT, PARAMS))
+            await runners[-1].task
+        held = c.server.core.runners
+        assert list(held) == [r.session.session_id for r in runners[1:]]  # the oldest went
+        lane = metrics_view(c.server.core).lane
+        assert lane.rounds == sum(r.stats.rounds for r in runners)
+        assert lane.emitted == 4 * PARAMS.max_tokens
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.generate(PARAMS, session_id=runners[0].session.session_id, offset=3)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "keeps the last limits.finished_sessions finished sessions" in err.value.details()
+        rest = await c.generate(PARAMS, session_id=runners[3].session.session_id, offset=37)
+        assert [t for e in rest for t in e.tokens] == runners[3].session.emitted[37:]
+    finally:
+        await stop(c)
