@@ -332,9 +332,9 @@ def metrics_route(view: Callable[[], DaemonView]):
     return web.get("/metrics", metrics_handler(view))
 
 
-async def serve_metrics(address: str, view: Callable[[], DaemonView]):
-    """Start a small HTTP server with GET /metrics on HOST:PORT (port 0: any free port).
-    Returns (runner, port); `await runner.cleanup()` stops it."""
+async def serve_metrics(address: str, view: Callable[[], DaemonView], ssl_context=None):
+    """Start a small HTTP server with GET /metrics on HOST:PORT (port 0: any free port;
+    HTTPS with `ssl_context`). Returns (runner, port); `await runner.cleanup()` stops it."""
     from aiohttp import web
 
     from muser.errors import RefusedError
@@ -344,7 +344,7 @@ async def serve_metrics(address: str, view: Callable[[], DaemonView]):
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, _, port = address.rpartition(":")
-    site = web.TCPSite(runner, host.strip("[]"), int(port))
+    site = web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as exc:

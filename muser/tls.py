@@ -7,6 +7,10 @@ Mutual TLS under one cluster CA (the `[tls]` section of cluster.toml):
     proposer → verifier   presents tls.proposer, checks the verifier's against tls.ca
     CLI → either      presents tls.client (`muser status`, `muser generate --lane cluster`)
 
+The HTTP endpoints (the proposer's OpenAI-compatible API, both daemons' /metrics) serve
+HTTPS with the node's certificate under `[tls]` (`http_ssl_context`), server-authenticated
+only: HTTP clients (OpenAI SDKs, Prometheus) trust tls.ca and present no certificate.
+
 Without a `[tls]` section every channel is insecure, as a loopback cluster needs. Every
 server port and every channel to a daemon goes through `add_port` / `open_channel`, so the
 two cases cannot drift apart.
@@ -104,6 +108,23 @@ def open_channel(
     if tls is None:
         return module.insecure_channel(address, options=list(options))
     return module.secure_channel(address, channel_credentials(tls, role), options=list(options))
+
+
+def http_ssl_context(tls: Tls | None, role: Role):
+    """The HTTPS context of `role`'s HTTP endpoints under `[tls]` (None: plain HTTP)."""
+    if tls is None:
+        return None
+    import ssl
+
+    pair = tls.pair(role)
+    read_pem(pair.cert, f"tls.{role}.cert"), read_pem(pair.key, f"tls.{role}.key")  # named errors
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(pair.cert, pair.key)
+    except (ssl.SSLError, ValueError) as exc:
+        raise TlsError(f"tls.{role}: cannot load {pair.cert} with {pair.key}: {exc}") from exc
+    return context
 
 
 # --- inspection (the refusal rules) ---------------------------------------------------------

@@ -399,7 +399,8 @@ async def _start_http(core: ProposerCore, config: ClusterConfig, routes):
         context_length=http_api.target_context_length(config),
         extra_routes=routes,
     )
-    return await http_api.serve_http(app, config.proposer.http)
+    context = tls.http_ssl_context(config.tls, "proposer")  # HTTPS under [tls]
+    return await http_api.serve_http(app, config.proposer.http, context)
 
 
 async def _serve(config: ClusterConfig) -> None:
@@ -407,7 +408,8 @@ async def _serve(config: ClusterConfig) -> None:
     host = config.proposer.bind_address.rpartition(":")[0]
     if server.http is not None:
         http_host = config.proposer.http.rpartition(":")[0]
-        print(f"proposer http API on http://{http_host}:{server.http_port}/v1", file=sys.stderr)
+        scheme = "https" if config.tls else "http"
+        print(f"proposer http API on {scheme}://{http_host}:{server.http_port}/v1", file=sys.stderr)
     print(
         f"proposer listening on {host}:{port} key={server.core.key_id}", file=sys.stderr, flush=True
     )

@@ -569,13 +569,16 @@ def create_app(
     return app
 
 
-async def serve_http(app: web.Application, address: str) -> tuple[web.AppRunner, int]:
-    """Start `app` on HOST:PORT on the running loop; returns (runner, bound port)."""
+async def serve_http(
+    app: web.Application, address: str, ssl_context=None
+) -> tuple[web.AppRunner, int]:
+    """Start `app` on HOST:PORT on the running loop (HTTPS with `ssl_context`); returns
+    (runner, bound port)."""
     host, _, port = address.rpartition(":")
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, int(port)).start()
+        await web.TCPSite(runner, host, int(port), ssl_context=ssl_context).start()
     except OSError as exc:
         await runner.cleanup()
         raise RefusedError(f"cannot bind the proposer http address {address}: {exc}") from exc

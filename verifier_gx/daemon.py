@@ -200,13 +200,16 @@ async def _serve(config: ClusterConfig) -> None:
 
         try:
             http, http_port = await serve_metrics(
-                config.verifier.http, lambda: metrics_view(server.manager)
+                config.verifier.http,
+                lambda: metrics_view(server.manager),
+                tls.http_ssl_context(config.tls, "verifier"),  # HTTPS under [tls]
             )
         except RefusedError as exc:
             await server.stop(None)
             raise ConfigError(f"verifier.http: {exc}") from exc
         http_host = config.verifier.http.rpartition(":")[0]
-        print(f"verifier metrics on http://{http_host}:{http_port}/metrics", file=sys.stderr)
+        scheme = "https" if config.tls else "http"
+        print(f"verifier metrics on {scheme}://{http_host}:{http_port}/metrics", file=sys.stderr)
     print(f"verifier listening on {host}:{port} key={server.key_id}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,6 +5,9 @@ plain target decode. A client without the cluster's certificates gets nothing.""
 from __future__ import annotations
 
 import asyncio
+import ssl
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -45,9 +48,60 @@ async def test_tls_cluster_generates_exactly_and_refuses_plaintext(tmp_path, tin
             address = getattr(config, role).address
             plaintext = await asyncio.to_thread(probe, address, role, 2.0, None)
             assert not plaintext["serving"] and "UNAVAILABLE" in plaintext["error"]
+        # the HTTP API and /metrics: HTTPS with the proposer's certificate, checked against
+        # the cluster CA; plain HTTP gets no answer
+        http = f"127.0.0.1:{proposer.http_port}"
+        for path in ("/v1/models", "/metrics"):
+            status, body = await asyncio.to_thread(https_get, f"https://{http}{path}", config)
+            assert status == 200 and body
+        with pytest.raises(OSError):
+            await asyncio.to_thread(urllib.request.urlopen, f"http://{http}/metrics", timeout=5)
     finally:
         if getattr(proposer, "http", None) is not None:
             await proposer.http.cleanup()
         await proposer.stop(None)
         proposer.core.log.close()
         await verifier.stop(None)
+
+
+def https_get(url: str, config) -> tuple[int, bytes]:
+    context = ssl.create_default_context(cafile=str(config.tls.ca))
+    with urllib.request.urlopen(url, context=context, timeout=10) as reply:
+        return reply.status, reply.read()
+
+
+@pytest.mark.asyncio
+async def test_verifier_metrics_serve_https_under_tls(tmp_path, tiny_pair):
+    """serve_metrics with the verifier's context (what `muser verifier serve` passes under
+    [tls]): a client that trusts the CA reads it; one that does not is refused."""
+    from muser.metrics import DaemonView, serve_metrics
+    from muser.stats import VerifierStats
+    from muser.tls import http_ssl_context
+
+    path = init_cluster(tmp_path / "c", target=tiny_pair[0], draft=tiny_pair[1], tls=True)
+    config = load_config(path)
+    stats = VerifierStats()
+    view = DaemonView("verifier", "k", stats, stats, 0, 0, None, stats.clock())
+    runner, port = await serve_metrics(
+        "127.0.0.1:0", lambda: view, http_ssl_context(config.tls, "verifier")
+    )
+    try:
+        url = f"https://127.0.0.1:{port}/metrics"
+        status, body = await asyncio.to_thread(https_get, url, config)
+        assert status == 200 and b"muser_info" in body
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            await asyncio.to_thread(urllib.request.urlopen, url, timeout=5)  # CA not trusted
+    finally:
+        await runner.cleanup()
+    assert http_ssl_context(None, "verifier") is None  # no [tls]: plain HTTP
+
+
+def test_a_certificate_that_does_not_fit_its_key_is_named(tmp_path, tiny_pair):
+    from muser.tls import TlsError, http_ssl_context
+
+    path = init_cluster(tmp_path / "c", target=tiny_pair[0], draft=tiny_pair[1], tls=True)
+    config = load_config(path)
+    pair = config.tls.pair("verifier")
+    pair.key.write_bytes(config.tls.pair("proposer").key.read_bytes())
+    with pytest.raises(TlsError, match="tls.verifier: cannot load"):
+        http_ssl_context(config.tls, "verifier")
