@@ -34,16 +34,22 @@ def generate() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.generate()
 
 
-def write_keypair(private: Ed25519PrivateKey, private_path: Path, public_path: Path) -> None:
-    """Write the private key 0600 (created with that mode, never widened) and the public key."""
-    pem = private.private_bytes(
+def write_private(key, path: Path) -> None:
+    """A private key (Ed25519 or the TLS ECDSA ones) as PKCS#8 PEM, created 0600 and never
+    widened."""
+    pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    private_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
-    os.chmod(private_path, 0o600)
+    os.chmod(path, 0o600)
+
+
+def write_keypair(private: Ed25519PrivateKey, private_path: Path, public_path: Path) -> None:
+    """Write the private key 0600 (created with that mode, never widened) and the public key."""
+    write_private(private, private_path)
     public_path.write_bytes(
         private.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -37,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from muser.errors import RefusedError
+from muser.keys import write_private
 
 if TYPE_CHECKING:
     import grpc
@@ -268,18 +268,6 @@ def issue(
         .sign(ca_key, hashes.SHA256())
     )
     return key, cert
-
-
-def write_private(key, path: Path) -> None:
-    """PKCS#8 PEM, created 0600 and never widened."""
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    os.chmod(path, 0o600)
 
 
 def write_cert(cert: x509.Certificate, path: Path) -> None:
