@@ -1,0 +1,172 @@
+"""A batch of rounds on the target, in the round queue's worker thread (DESIGN.md §5 step 3
+and the signed result of step 4): witness rows of the rounds waiting together in one target
+forward over each session's own KV (verifier_gx.kvpool), decode rounds step by step
+(verifier_gx.decode), then per round judge, build the RoundResult, check it against the
+session and sign it. The WAL commit and the state change stay with the session
+(verifier_gx.sessions)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from muser import keys
+from muser.backend import ModelBackend
+from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
+from muser.sampling import target_probs
+from muser.stats import VerifierStats
+from muser.verify import RoundDecision, judge_round
+from verifier_gx.admission import capture_fragment
+from verifier_gx.decode import decode_decision, decode_round
+from verifier_gx.executor import witness_batch
+from verifier_gx.journal import SessionState
+from verifier_gx.kvpool import KvPool
+
+
+@dataclass(frozen=True)
+class RoundJob:
+    """One round waiting for the target (its session lock is held meanwhile)."""
+
+    state: SessionState
+    request: RoundRequest
+    digest: bytes
+
+
+class RoundComputer:
+    def __init__(
+        self,
+        backend: ModelBackend,
+        kv: KvPool,
+        signing_key: Ed25519PrivateKey,
+        stats: VerifierStats,
+        clock: Callable[[], float],
+    ) -> None:
+        self.backend, self.kv, self.stats, self.clock = backend, kv, stats, clock
+        self.signing_key = signing_key
+        self.key_id = keys.key_id(signing_key.public_key())
+        self._lock = threading.Lock()
+        """Serialises the target between batches."""
+
+    def decide(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
+        """Compute, judge and sign a batch of rounds in one worker thread (DESIGN.md §5 step
+        3 and the result of step 4): one hop from the event loop and back per batch. Each
+        job's session lock (held by its caller) keeps its session still; the backend lock
+        serialises the target. A failure is its own round's: the others go on."""
+        with self._lock:
+            t0 = self.clock()
+            computed = self._compute_batch(jobs)
+            share = (self.clock() - t0) / len(jobs)
+        out: list[tuple | BaseException] = []
+        for job, c in zip(jobs, computed, strict=True):
+            if isinstance(c, BaseException):
+                out.append(c)
+                continue
+            try:
+                out.append(self._sign(job, *c, verify_s=share))
+            except Exception as exc:  # raised in the round's own coroutine
+                out.append(exc)
+        return out
+
+    def _sign(self, job: RoundJob, decision: RoundDecision, captured, *, verify_s: float):
+        """Build the RoundResult, check it against the state and sign it."""
+        state, request, digest = job.state, job.request, job.digest
+        emitted = decision.emitted(request.drafts)
+        captures = [capture_fragment(state, request, layer, rows) for layer, rows in captured]
+        result = RoundResult(
+            state.session_id,
+            request.round,
+            request.epoch,
+            state.head,
+            digest,
+            request.frontier,
+            tuple(request.drafts),
+            decision.accepted,
+            decision.next_frontier,
+            state_digest(decision.post_state),
+            transcript_digest(state.transcript + emitted),
+            tuple(d for d, _ in captures),
+            b"\0" * 32,
+            self.key_id,
+            decision.decoded,
+        )
+        result = replace(result, head=result.expected_head())
+        post = state.check_round(result, digest)
+        body = result.encode()
+        t0 = self.clock()
+        signed = Signed(body, self.signing_key.sign(body)).encode()
+        timings = {"verify_s": verify_s, "sign_s": self.clock() - t0, "wal_s": 0.0}
+        return decision, result, captures, post, signed, timings
+
+    def _compute_batch(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
+        """Witness rows (one forward for the rounds without capture), judge, settle each
+        round's KV. Runs in the worker thread under the backend lock. `verify_s` of a batched
+        round is its share of the batch's compute wall, so the sums stay the target's wall."""
+        out: list[tuple | BaseException | None] = [None] * len(jobs)
+        executors = [self.kv.executor(job.state.session_id) for job in jobs]
+        logits: dict[int, np.ndarray] = {}
+        captured: dict[int, dict[int, np.ndarray]] = {}
+        batched = []
+        for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
+            transcript = job.state.transcript
+            if job.state.next_round > 0:  # round 0 prefills the prompt: not a rebuild
+                held = ex.cursor.reusable(transcript[:-1])
+                self.stats.kv_rebuilt_tokens += len(transcript) - 1 - held
+            if job.request.decode_len > 1:  # a decode round: its steps depend on each other
+                try:
+                    out[i] = (self._decode(job, ex), [])
+                except Exception as exc:
+                    ex.cursor.realign()
+                    out[i] = exc
+                continue
+            layers = sorted(set(job.state.open.capture_layers))
+            if not (layers and hasattr(self.backend, "evaluate_capture")):
+                batched.append(i)
+                continue
+            try:  # hidden rows are captured one round at a time
+                _, tokens = ex.prepare(transcript, job.request.drafts)
+                logits[i], captured[i] = ex.cursor.backend.evaluate_capture(tokens, layers)
+                ex.cursor.record(tokens, logits[i])
+            except Exception as exc:
+                ex.cursor.realign()
+                out[i] = exc
+        rounds = [(executors[i], jobs[i].state.transcript, jobs[i].request.drafts) for i in batched]
+        try:
+            logits.update(zip(batched, witness_batch(self.backend, rounds), strict=True))
+        except Exception:  # one round's failure must not fail the others: run them alone
+            for i, r in zip(batched, rounds, strict=True):
+                try:
+                    logits[i] = witness_batch(self.backend, [r])[0]
+                except Exception as exc:
+                    out[i] = exc
+        for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
+            if out[i] is not None:
+                continue
+            try:
+                out[i] = self._judge(job, ex, logits[i], captured.get(i, {}))
+            except Exception as exc:
+                out[i] = exc
+        return out  # type: ignore[return-value]
+
+    def _decode(self, job: RoundJob, ex) -> RoundDecision:
+        state = job.state
+        decoded = decode_round(ex, state.transcript, state.mt, job.request.decode_len, state.params)
+        return decode_decision(decoded, state.mt)
+
+    def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
+        state, request = job.state, job.request
+        witness = target_probs(logits, state.params)
+        decision: RoundDecision = judge_round(
+            state.mt,
+            request.frontier,
+            request.drafts,
+            request.q_rows,
+            witness,
+            greedy=state.params.greedy,
+        )
+        ex.settle(len(state.transcript), decision.accepted)
+        kept = decision.accepted + 1  # hidden rows of the frontier and the accepted drafts
+        return decision, [(layer, captured[layer][:kept]) for layer in sorted(captured)]
