@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -30,32 +28,23 @@ from aiohttp import web
 
 from cluster_config import ClusterConfig
 from muser.errors import MuserError, RefusedError
-from muser.sampling import SamplingParams
 from proposer_mac.link import LinkDown
+from proposer_mac.openai_request import (
+    COMPLETION_MAX_TOKENS,
+    Api,
+    ApiError,
+    chat_messages,
+    chat_prompt,
+    check_common,
+    encode_text,
+    field,
+    prompt_tokens,
+    sampling_params,
+    stop_strings,
+)
 from proposer_mac.text_stream import TextStream
 
 log = logging.getLogger("muser.http")
-
-SEED_LIMIT = 2**32
-"""Seeds are MT19937 init_genrand seeds: [0, 2**32)."""
-COMPLETION_MAX_TOKENS = 16
-"""OpenAI's documented default for /v1/completions; chat fills the context instead."""
-
-# Parameters this server does not implement: a value other than these is refused (fail
-# closed) rather than silently ignored.
-UNSUPPORTED: dict[str, tuple] = {
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "functions": ([],),
-    "response_format": ({"type": "text"},),
-}
 
 _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -64,27 +53,6 @@ _GRPC_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
-
-
-class ApiError(Exception):
-    """A refused request, rendered as OpenAI error JSON with this HTTP status."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
 
 
 def api_error(exc: BaseException) -> ApiError:
@@ -143,23 +111,10 @@ def target_context_length(config: ClusterConfig) -> int | None:
         return None
 
 
-@dataclass
-class Api:
-    """What the handlers share: the core that opens sessions and the model they serve."""
-
-    core: Any  # ProposerCore (not imported: the app is testable on a stand-in)
-    tokenizer: Any
-    model_id: str
-    max_tokens: int
-    context_length: int | None
-    clock: Callable[[], float]
-    created: int = 0
-
-
 API = web.AppKey("muser_api", Api)
 
 
-# --- request parsing ------------------------------------------------------------------------
+# --- request bodies -----------------------------------------------------------------------
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -173,183 +128,6 @@ async def _json_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise ApiError(f"the request body is a JSON {type(body).__name__}; expected an object")
     return body
-
-
-def _field(body: dict, name: str, kind: type, default, expected: str):
-    """body[name] of `kind` (None counts as absent); bools are not numbers."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if not ok:
-        raise ApiError(f"{name} must be {expected}, got {value!r}", param=name)
-    return float(value) if kind is float else value
-
-
-def _check_common(body: dict, api: Api) -> None:
-    model = body.get("model")
-    if model is not None and model != api.model_id:
-        raise ApiError(
-            f"unknown model {model!r}; this server serves {api.model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
-    n = _field(body, "n", int, 1, "an integer")
-    if n != 1:
-        raise ApiError(f"n must be 1 (one choice per request), got {n}", param="n")
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value not in neutral:
-            raise ApiError(f"{name}={value!r} is not supported by this server", param=name)
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(
-            f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop"
-        )
-    return tuple(stops)
-
-
-def _max_tokens(body: dict, api: Api, prompt_len: int, default: int | None) -> int:
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    room = None if api.context_length is None else api.context_length - prompt_len + 1
-    if room is not None and room < 1:
-        raise ApiError(
-            f"a prompt of {prompt_len} tokens leaves no room in the model's context window of "
-            f"{api.context_length} positions"
-        )
-    if default is None:
-        default = api.max_tokens if room is None else min(api.max_tokens, room)
-    value = _field(body, name, int, default, "an integer >= 1")
-    if value < 1:
-        raise ApiError(f"{name} must be an integer >= 1, got {value}", param=name)
-    if value > api.max_tokens:
-        raise ApiError(
-            f"{name} {value} exceeds this cluster's limit limits.max_tokens = {api.max_tokens}",
-            param=name,
-        )
-    if room is not None and value > room:
-        raise ApiError(
-            f"a prompt of {prompt_len} tokens with {name} {value} needs "
-            f"{prompt_len + value - 1} positions; the model's context window is "
-            f"{api.context_length}",
-            param=name,
-        )
-    return value
-
-
-def sampling_params(
-    body: dict, api: Api, prompt_len: int, default_max: int | None
-) -> SamplingParams:
-    """The session's fixed params from an OpenAI body (OpenAI defaults: temperature 1)."""
-    temperature = _field(body, "temperature", float, 1.0, "a number >= 0")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ApiError(f"temperature must be a number >= 0, got {temperature}", param="temperature")
-    top_p = _field(body, "top_p", float, 1.0, "a number in (0, 1]")
-    if not 0 < top_p <= 1:
-        raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _field(body, "top_k", int, 0, "an integer (0 or -1 = off)")
-    if top_k < -1:
-        raise ApiError(f"top_k must be >= -1 (0 or -1 = off), got {top_k}", param="top_k")
-    seed = _field(body, "seed", int, None, "an integer")
-    if seed is None:
-        seed = secrets.randbelow(SEED_LIMIT)
-    elif not 0 <= seed < SEED_LIMIT:
-        raise ApiError(f"seed must be in [0, 2**32), got {seed}", param="seed")
-    ignore_eos = _field(body, "ignore_eos", bool, False, "a boolean")
-    eos = getattr(api.tokenizer, "eos_token_id", None)
-    return SamplingParams(
-        temperature=temperature,
-        top_k=max(top_k, 0),
-        top_p=top_p,
-        max_tokens=_max_tokens(body, api, prompt_len, default_max),
-        stop_tokens=() if ignore_eos or eos is None else (int(eos),),
-        seed=seed,
-    )
-
-
-def _encode(tokenizer, text: str, param: str) -> list[int]:
-    tokens = list(tokenizer.encode(text, add_special_tokens=False))
-    if not tokens:
-        raise ApiError(
-            f"{param} {text!r} encodes to no tokens; give a non-empty prompt", param=param
-        )
-    return tokens
-
-
-def prompt_tokens(body: dict, tokenizer) -> list[int]:
-    """A completion prompt: text or token ids, one prompt per request."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(
-            "missing required field 'prompt' (a string or a list of token ids)", param="prompt"
-        )
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return _encode(tokenizer, prompt, "prompt")
-    ids = isinstance(prompt, list) and prompt
-    if ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        return list(ids)
-    raise ApiError(
-        f"prompt must be a non-empty string or list of token ids (one prompt per request), "
-        f"got {json.dumps(prompt)[:80]}",
-        param="prompt",
-    )
-
-
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """Messages as {role, content} with text content (text parts joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(
-            f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}",
-            param="messages",
-        )
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            parts = [p.get("text") if isinstance(p, dict) else None for p in content]
-            content = "".join(parts) if all(isinstance(p, str) for p in parts) else None
-        elif content is None and isinstance(m, dict) and m.get("role") == "assistant":
-            content = ""
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or content is None:
-            raise ApiError(
-                f"messages[{i}] must be {{role: string, content: string or text parts}}, "
-                f"got {json.dumps(m)[:80]}",
-                param=f"messages[{i}]",
-            )
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
-    """The checkpoint's own chat template when it has one, else role-labelled turns."""
-    if not getattr(tokenizer, "chat_template", None):
-        return simple_chat_prompt(messages)
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # jinja raises its own errors (e.g. roles out of order)
-        raise ApiError(
-            f"the model's chat template refused the messages: {exc}", param="messages"
-        ) from exc
-
-
-def simple_chat_prompt(messages: list[dict[str, str]]) -> str:
-    """For checkpoints without a template (the fixtures): `Role: content` lines, then the
-    assistant's cue."""
-    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
 
 
 # --- durable tokens -> text -----------------------------------------------------------------
@@ -485,10 +263,10 @@ async def _generate(request: web.Request, body: dict, prompt: list[int], chat: b
     api = request.app[API]
     default_max = None if chat else COMPLETION_MAX_TOKENS
     params = sampling_params(body, api, len(prompt), default_max)
-    stops = _stops(body)
-    stream = _field(body, "stream", bool, False, "a boolean")
-    options = _field(body, "stream_options", dict, {}, "an object")
-    include_usage = _field(options, "include_usage", bool, False, "a boolean")
+    stops = stop_strings(body)
+    stream = field(body, "stream", bool, False, "a boolean")
+    options = field(body, "stream_options", dict, {}, "an object")
+    include_usage = field(options, "include_usage", bool, False, "a boolean")
     runner = await api.core.start_session(prompt, params)
     reply = Reply(api, chat, runner, TextStream(api.tokenizer, stops))
     try:
@@ -524,16 +302,16 @@ async def _models(request: web.Request) -> web.Response:
 async def _completions(request: web.Request) -> web.StreamResponse:
     api = request.app[API]
     body = await _json_body(request)
-    _check_common(body, api)
+    check_common(body, api)
     return await _generate(request, body, prompt_tokens(body, api.tokenizer), chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     api = request.app[API]
     body = await _json_body(request)
-    _check_common(body, api)
+    check_common(body, api)
     text = chat_prompt(api.tokenizer, chat_messages(body))
-    return await _generate(request, body, _encode(api.tokenizer, text, "messages"), chat=True)
+    return await _generate(request, body, encode_text(api.tokenizer, text, "messages"), chat=True)
 
 
 def create_app(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proposer_mac.http_api import chat_prompt, simple_chat_prompt
+from proposer_mac.openai_request import chat_prompt, simple_chat_prompt
 from proposer_mac.text_stream import TextStream
 
 TEXT = "héllo 世界 ✓ done.\nnext line: ünïcödé ends here\n"
