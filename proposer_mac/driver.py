@@ -68,8 +68,9 @@ class SessionRunner:
         self.error: Exception | None = None
         self.task: asyncio.Task | None = None
         self.durable = len(session.emitted)
-        self.cancelled = False
         """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
+        self.cancelled = False
+        """Set by `cancel`: the session ends after the round in flight."""
 
     def start(self) -> None:
         self.task = asyncio.create_task(
