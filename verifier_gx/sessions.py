@@ -398,7 +398,7 @@ class SessionManager:
         if state.done:  # a finished session only answers retries, from the log
             self.kv.drop(state.session_id)
         self._observe(request, decision, len(tokens), timings)
-        log.info(
+        log.debug(  # per round: DEBUG (at INFO its formatting alone was ~2% of a busy verifier)
             "session %s round %d: accepted %d/%d next_frontier %d emitted %d "
             "verify %.1fms wal %.1fms",
             short(state.session_id), request.round, decision.accepted, len(request.drafts),

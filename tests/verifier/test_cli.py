@@ -82,9 +82,9 @@ def write_config(key_set, tmp_path: Path) -> Path:
     return path
 
 
-async def start(launcher: Path, config: Path):
+async def start(launcher: Path, config: Path, *flags: str):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(launcher), "verifier", "serve", "--config", str(config),
+        sys.executable, str(launcher), "verifier", "serve", "--config", str(config), *flags,
         cwd=REPO, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     lines = []
@@ -118,7 +118,7 @@ async def test_serve_kill_restart_and_clean_stop(key_set, tmp_path):
     await proc.wait()
     await channel.close()
 
-    proc, port2, _ = await start(launcher, config)
+    proc, port2, _ = await start(launcher, config, "--log-level", "debug")
     assert port2 == port
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     client.stub = pb_grpc.VerifierStub(channel)
@@ -130,6 +130,7 @@ async def test_serve_kill_restart_and_clean_stop(key_set, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, stderr = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode == 0, stderr.decode()
+    # each round is logged at DEBUG (the restarted daemon runs with --log-level debug)
     assert re.search(rf"session {client.session_id.hex()[:8]} round 4: accepted", stderr.decode())
     with FileLog(tmp_path / "wal" / "commit") as log:  # the lock was released
         report = VerifierJournal().verify(
