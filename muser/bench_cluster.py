@@ -28,11 +28,12 @@ def cluster_lanes(
     draft_len: int,
     delays_ms: list[float],
     draft_range: tuple[int, int] | None = None,
+    target_device: str = "cpu",
 ):
     """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms). With
     `draft_range` the lane may move D in it: `cluster@Xms` sessions still ask for draft_len
     (fixed), and `cluster@Xms-adaptive` sessions ask for none, so the lane's adaptive width
-    chooses (the same proposer serves both)."""
+    chooses (the same proposer serves both). `target_device`: the verifier's `device`."""
     from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import free_port, init_cluster
@@ -49,6 +50,7 @@ def cluster_lanes(
             base.write_text(
                 text.replace(line, f"{line}draft_len_min = {lo}\ndraft_len_max = {hi}\n", 1)
             )
+        base.write_text(with_target_device(base.read_text(), target_device))
         config = load_config(base)
         qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
         verifier = Daemon("verifier", base, Path(tmp))
@@ -82,6 +84,17 @@ def cluster_lanes(
             if draft_range is not None:
                 lanes[f"{name}-adaptive"] = _lane(stream_generate, proposer_addr, params, 0)
         yield lanes
+
+
+def with_target_device(text: str, device: str) -> str:
+    """`config init`'s cluster.toml with the verifier's target on `device`."""
+    if device == "cpu":  # the default: the file stays as written
+        return text
+    head, sep, rest = text.partition("\n[proposer]")
+    if 'backend = "torch"\n' not in head:
+        raise ValueError("cluster.toml: no torch backend line in the [verifier] section")
+    line = 'backend = "torch"\n'
+    return head.replace(line, f'{line}device = "{device}"\n', 1) + sep + rest
 
 
 def _lane(stream_generate, address: str, params: SamplingParams, draft_len: int) -> LaneFn:

@@ -104,12 +104,19 @@ def format_sessions(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def oracle_tokens(target_dir, prompts: list[list[int]], params: SamplingParams, max_tokens: int):
-    """Plain target decode of each prompt (greedy only): what every session must emit."""
+def oracle_tokens(
+    target_dir,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_tokens: int,
+    device: str = "cpu",
+):
+    """Plain target decode of each prompt on `device` (greedy only): what every session must
+    emit, the verifier's target running on that device too."""
     from verifier_gx.backends import load_target_backend
     from verifier_gx.plain import run_plain
 
-    target = load_target_backend("torch", target_dir)
+    target = load_target_backend("torch", target_dir, device=device)
     out = {}
     for i, p in enumerate(prompts):
         target.reset()

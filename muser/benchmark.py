@@ -191,16 +191,19 @@ def build_lanes(
     vllm_python: Path | None = None,
     draft_range: tuple[int, int] | None = None,
     decode_len: int = 8,
+    target_device: str = "cpu",
 ) -> tuple[dict[str, LaneFn], dict[str, str]]:
     """The lanes to run, and a note per lane that could not be built (never silent) or whose
     set-up cost is kept out of its samples. `vllm_python`: the vLLM peer's interpreter
     (default: `muser.vllm_peer.default_vllm_python`). `draft_range`: add `local-adaptive`,
-    the local lane with `AdaptiveWidth` in that range (draftless rounds decode `decode_len`)."""
+    the local lane with `AdaptiveWidth` in that range (draftless rounds decode `decode_len`).
+    `target_device`: where the plain and local lanes run the target (the peers run on CPU,
+    so they are skipped, with a note, on any other device)."""
     from muser.vllm_peer import PEER, default_vllm_python
     from proposer_mac.backends import load_draft_backend
     from verifier_gx.backends import load_target_backend
 
-    target = load_target_backend("torch", target_dir)
+    target = load_target_backend("torch", target_dir, device=target_device)
     draft = load_draft_backend(draft_backend, draft_dir)
     lanes: dict[str, LaneFn] = {
         "plain": _ours("plain", target, None, params, draft_len, q_top_k),
@@ -218,7 +221,9 @@ def build_lanes(
             lambda: AdaptiveWidth(draft_len, lo, hi, decode_len),
         )
     notes: dict[str, str] = {}
-    if peers and params.greedy:
+    if peers and target_device != "cpu":
+        notes["peers"] = f"peers run the target on CPU; skipped with the target on {target_device}"
+    elif peers and params.greedy:
         lanes["hf-assisted"] = _transformers_assisted(target_dir, draft_dir, draft_len)
         lanes["mlx-lm-speculative"] = _mlx_speculative(target_dir, draft_dir, draft_len)
         python = default_vllm_python(vllm_python)

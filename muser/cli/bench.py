@@ -34,6 +34,14 @@ def register(sub, name: str, help_text: str) -> None:
     )
     p.add_argument("--q-top-k", type=int, default=32)
     p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
+    p.add_argument(
+        "--target-device",
+        default="cpu",
+        metavar="DEV",
+        help="torch device of the target in the plain and local lanes and in the cluster's "
+        "verifier (cpu, cuda, cuda:N; default cpu); the peers run on CPU and are skipped "
+        "with a note when it is not cpu",
+    )
     p.add_argument("--no-peers", action="store_true", help="skip the hf, mlx-lm, vLLM peers")
     p.add_argument(
         "--vllm-python",
@@ -61,6 +69,9 @@ def register(sub, name: str, help_text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.suite == "wal":
         return _run_wal(args)
+    from verifier_gx.backends.torch_backend import check_device
+
+    args.target_device = check_device(args.target_device, "--target-device")  # before any work
     if args.suite == "sessions":
         return _run_sessions(args)
     import time
@@ -89,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         peers=not args.no_peers,
         vllm_python=args.vllm_python,
         draft_range=draft_range,
+        target_device=args.target_device,
     )
     import contextlib
 
@@ -105,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     draft_len=args.draft_len,
                     delays_ms=delays,
                     draft_range=draft_range,
+                    target_device=args.target_device,
                 )
             )
         samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
@@ -119,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "draft_range": list(draft_range) if draft_range else None,
         "q_top_k": args.q_top_k,
         "draft_backend": args.draft_backend,
+        "target_device": args.target_device,
         "max_tokens": args.max_tokens,
         "cluster_delays_ms": delays,
         "repeats": args.repeats,
@@ -189,9 +203,14 @@ def _run_sessions(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     oracle = None
     if params.greedy:
-        oracle = oracle_tokens(pair.target, prompts, params, args.max_tokens)
+        oracle = oracle_tokens(pair.target, prompts, params, args.max_tokens, args.target_device)
     with cluster_lanes(
-        pair.target, pair.draft, params, draft_len=args.draft_len, delays_ms=[0.0]
+        pair.target,
+        pair.draft,
+        params,
+        draft_len=args.draft_len,
+        delays_ms=[0.0],
+        target_device=args.target_device,
     ) as lanes:
         samples, rates = run_sessions_bench(
             lanes["cluster@0ms"],
@@ -210,6 +229,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
         "draft": str(pair.draft),
         "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
         "draft_len": args.draft_len,
+        "target_device": args.target_device,
         "max_tokens": args.max_tokens,
         "sessions": sessions,
         "repeats": args.repeats,

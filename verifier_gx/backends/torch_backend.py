@@ -51,9 +51,10 @@ def _set_rope_theta(config, theta: float) -> None:
         config.rope_theta = theta
 
 
-def check_device(device: str) -> str:
+def check_device(device: str, setting: str = "verifier.device") -> str:
     """The torch device `device` names ("cpu", "cuda", "cuda:1"), refused when this machine
-    cannot run it, naming the setting to change (`verifier.device` in cluster.toml)."""
+    cannot run it, naming the setting to change (`verifier.device` in cluster.toml, or a
+    command's flag)."""
     import torch
 
     try:
@@ -69,16 +70,17 @@ def check_device(device: str) -> str:
             f"device {device!r} refused: the torch backend runs on cpu or cuda[:N]"
         )
     if not torch.cuda.is_available():
+        to_cpu = f"pass {setting} cpu" if setting.startswith("--") else f'set {setting} = "cpu"'
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise InvalidOverrideError(
-            f"device {device!r} requested (verifier.device) but torch {torch.__version__} "
-            f'({build}) sees no CUDA device here: set verifier.device = "cpu", or install a '
+            f"device {device!r} requested ({setting}) but torch {torch.__version__} "
+            f"({build}) sees no CUDA device here: {to_cpu}, or install a "
             "CUDA build of torch on a machine with an NVIDIA GPU"
         )
     count = torch.cuda.device_count()
     if parsed.index is not None and parsed.index >= count:
         raise InvalidOverrideError(
-            f"device {device!r} requested (verifier.device) but torch sees {count} CUDA "
+            f"device {device!r} requested ({setting}) but torch sees {count} CUDA "
             f"device(s): use cuda:0..cuda:{count - 1}"
         )
     return str(parsed)

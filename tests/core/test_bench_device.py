@@ -1,0 +1,47 @@
+"""`muser bench --target-device`: refused before any work when the machine cannot run it, and
+written into the bench cluster's verifier section (the GPU itself is exercised by
+`scripts/gpu_check.py` and the device runs recorded in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster_config import load_config
+from muser.bench_cluster import with_target_device
+from muser.cli.config import init_cluster
+from muser.cli.main import main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("suite", ["lanes", "sessions"])
+def test_a_cuda_target_without_cuda_is_refused_before_any_work(suite, tmp_path, capsys):
+    receipt = tmp_path / "r.json"
+    code = main(["bench", "--suite", suite, "--target-device", "cuda", "--receipt", str(receipt)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'cuda' requested (--target-device)" in err and "pass --target-device cpu" in err
+    assert not receipt.exists()
+
+
+def test_a_device_torch_cannot_run_the_target_on_is_refused(tmp_path, capsys):
+    code = main(["bench", "--target-device", "mps", "--receipt", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "device 'mps' refused: the torch backend runs on cpu or cuda[:N]" in capsys.readouterr().err
+
+
+def test_the_device_lands_in_the_verifier_section_only(tmp_path):
+    path = init_cluster(tmp_path, target=tmp_path / "t", draft=tmp_path / "d", draft_len=4)
+    text = path.read_text()
+    assert with_target_device(text, "cpu") == text
+    path.write_text(with_target_device(text, "cuda:1"))
+    config = load_config(path)
+    assert config.verifier.device == "cuda:1"
+    assert path.read_text().count('device = "cuda:1"') == 1
+    assert path.read_text().replace('device = "cuda:1"\n', "") == text
+
+
+def test_a_file_without_the_torch_backend_line_is_refused():
+    text = '[verifier]\nbackend = "vllm"\n\n[proposer]\nbackend = "torch"\n'
+    with pytest.raises(ValueError, match=r"no torch backend line in the \[verifier\] section"):
+        with_target_device(text, "cuda")
