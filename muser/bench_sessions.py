@@ -43,7 +43,8 @@ def run_sessions_bench(
     repeats: int,
     progress: bool = True,
 ) -> tuple[list[Sample], dict[int, list[float]]]:
-    """Samples of every generation, and per N the rate (tokens/s) of each repeat."""
+    """Samples of every generation, and per N the rate (tokens/s) of each repeat; when
+    interrupted (Ctrl-C, or SIGTERM under `muser bench`), those of the runs done so far."""
     from tqdm import tqdm
 
     if max(sessions) > len(prompts):
@@ -51,18 +52,22 @@ def run_sessions_bench(
     lane(prompts[0][:8], 4)  # warm-up: first-call allocation and lazy init stay out
     samples: list[Sample] = []
     rates: dict[int, list[float]] = {n: [] for n in sessions}
-    with tqdm(total=repeats * len(sessions), desc="sessions", disable=not progress) as bar:
-        for repeat in range(repeats):
-            order = sessions if repeat % 2 == 0 else list(reversed(sessions))
-            for n in order:
-                got, wall = run_concurrent(lane, prompts[:n], max_tokens)
-                for s in got:
-                    s.lane, s.repeat = f"sessions={n}", repeat
-                    s.split_s = {**s.split_s, "run_wall": wall}
-                samples += got
-                rates[n].append(sum(len(s.tokens) for s in got) / wall)
-                bar.update()
-    return samples, rates
+    total = repeats * len(sessions)
+    with tqdm(total=total, desc="sessions", disable=not progress) as bar:
+        try:
+            for repeat in range(repeats):
+                order = sessions if repeat % 2 == 0 else list(reversed(sessions))
+                for n in order:
+                    got, wall = run_concurrent(lane, prompts[:n], max_tokens)
+                    for s in got:
+                        s.lane, s.repeat = f"sessions={n}", repeat
+                        s.split_s = {**s.split_s, "run_wall": wall}
+                    samples += got
+                    rates[n].append(sum(len(s.tokens) for s in got) / wall)
+                    bar.update()
+        except KeyboardInterrupt:
+            bar.write(f"sessions: interrupted after {bar.n} of {total} runs")
+    return samples, {n: r for n, r in rates.items() if r}
 
 
 def summarise_sessions(

@@ -242,6 +242,8 @@ def run_bench(
     repeats: int,
     progress: bool = True,
 ) -> list[Sample]:
+    """Every run's sample; fewer than repeats × prompts × lanes when interrupted (Ctrl-C, or
+    SIGTERM under `muser bench`): the runs done are kept, the one under way is dropped."""
     from tqdm import tqdm
 
     for fn in lanes.values():  # warm-up: first-call allocation and lazy init stay out of samples
@@ -249,14 +251,17 @@ def run_bench(
     samples: list[Sample] = []
     total = repeats * len(prompts) * len(lanes)
     with tqdm(total=total, desc="bench", disable=not progress, unit="run") as bar:
-        for repeat in range(repeats):
-            for i, prompt in enumerate(prompts):
-                order = list(lanes) if (repeat + i) % 2 == 0 else list(reversed(lanes))
-                for name in order:
-                    s = lanes[name](prompt, max_tokens)
-                    s.lane, s.prompt, s.repeat = name, i, repeat
-                    samples.append(s)
-                    bar.update()
+        try:
+            for repeat in range(repeats):
+                for i, prompt in enumerate(prompts):
+                    order = list(lanes) if (repeat + i) % 2 == 0 else list(reversed(lanes))
+                    for name in order:
+                        s = lanes[name](prompt, max_tokens)
+                        s.lane, s.prompt, s.repeat = name, i, repeat
+                        samples.append(s)
+                        bar.update()
+        except KeyboardInterrupt:
+            bar.write(f"bench: interrupted after {len(samples)} of {total} runs")
     return samples
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -72,8 +74,38 @@ def run(args: argparse.Namespace) -> int:
     from verifier_gx.backends.torch_backend import check_device
 
     args.target_device = check_device(args.target_device, "--target-device")  # before any work
-    if args.suite == "sessions":
-        return _run_sessions(args)
+    with _sigterm_interrupts():
+        if args.suite == "sessions":
+            return _run_sessions(args)
+        return _run_lanes(args)
+
+
+INTERRUPTED = 130
+"""The exit code of a bench stopped by Ctrl-C or SIGTERM (after it kept what it had)."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (a `timeout`, a supervisor) stops a bench as Ctrl-C does: the runs done so
+    far are summarised and kept in a receipt marked `interrupted`, and the bench's daemons
+    are stopped on the way out."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(done: int, planned: int) -> str | None:
+    """The receipt's `interrupted` field: None for a complete run."""
+    return None if done >= planned else f"stopped after {done} of {planned} runs"
+
+
+def _run_lanes(args: argparse.Namespace) -> int:
     import time
 
     from transformers import AutoTokenizer
@@ -102,8 +134,6 @@ def run(args: argparse.Namespace) -> int:
         draft_range=draft_range,
         target_device=args.target_device,
     )
-    import contextlib
-
     from muser.bench_cluster import cluster_lanes
 
     delays = [float(d) for d in args.cluster_delays.split(",") if d.strip()]
@@ -121,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
+    interrupted = _interrupted(len(samples), args.repeats * len(prompts) * len(lanes))
+    if not samples:
+        print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
+        return INTERRUPTED
     summary = summarise(samples)
     meta = {
         "command": " ".join(sys.argv),
@@ -136,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "cluster_delays_ms": delays,
         "repeats": args.repeats,
+        "interrupted": interrupted,
         "notes": notes,
         "threads": "torch.set_num_threads(1); mlx on its CPU stream",
     }
@@ -143,20 +178,20 @@ def run(args: argparse.Namespace) -> int:
         args.receipt or Path("bench-receipts") / f"lanes-{time.strftime('%Y%m%d-%H%M%S')}.json"
     )
     digest = write_receipt(receipt, meta, samples, summary)
+    code = INTERRUPTED if interrupted else 0
     if args.json:
-        print(
-            json.dumps(
-                {"summary": summary, "receipt": str(receipt), "sha256": digest, "notes": notes}
-            )
-        )
-        return 0
+        out = {"summary": summary, "receipt": str(receipt), "sha256": digest, "notes": notes}
+        print(json.dumps(out | {"interrupted": interrupted}))
+        return code
     if args.periodic:
         print("CONTROL (periodic fixture): calibrates the harness, never quoted as a result")
     print(format_table(summary))
     for lane, note in notes.items():
         print(f"note: {lane}: {note}")
+    if interrupted:
+        print(f"INTERRUPTED: {interrupted}; the table and receipt hold only those")
     print(f"receipt: {receipt} (samples sha256 {digest})")
-    return 0
+    return code
 
 
 def _draft_range(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -220,6 +255,10 @@ def _run_sessions(args: argparse.Namespace) -> int:
             args.repeats,
             progress=not args.json,
         )
+    interrupted = _interrupted(sum(map(len, rates.values())), args.repeats * len(sessions))
+    if not rates:
+        print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
+        return INTERRUPTED
     summary = summarise_sessions(rates, samples, oracle)
     meta = {
         "command": " ".join(sys.argv),
@@ -233,6 +272,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "sessions": sessions,
         "repeats": args.repeats,
+        "interrupted": interrupted,
         "rates_tokens_per_s": {str(n): r for n, r in rates.items()},
         "threads": "torch.set_num_threads(1) in each daemon",
     }
@@ -240,9 +280,13 @@ def _run_sessions(args: argparse.Namespace) -> int:
         args.receipt or Path("bench-receipts") / f"sessions-{time.strftime('%Y%m%d-%H%M%S')}.json"
     )
     digest = write_receipt(receipt, meta, samples, summary)
+    code = INTERRUPTED if interrupted else 0
     if args.json:
-        print(json.dumps({"summary": summary, "receipt": str(receipt), "sha256": digest}))
-        return 0
+        out = {"summary": summary, "receipt": str(receipt), "sha256": digest}
+        print(json.dumps(out | {"interrupted": interrupted}))
+        return code
     print(format_sessions(summary))
+    if interrupted:
+        print(f"INTERRUPTED: {interrupted}; the table and receipt hold only those")
     print(f"receipt: {receipt} (samples sha256 {digest})")
-    return 0
+    return code

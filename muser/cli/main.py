@@ -31,6 +31,7 @@ EPILOG = """exit codes:
   1  a check failed (wal verify found a bad record, a comparison differed)
   2  refused: bad arguments, invalid configuration or input (message says what to change)
   3  a runtime error (a daemon unreachable, a model failed to load)
+  130  interrupted (Ctrl-C; for `muser bench` also SIGTERM, after it kept a partial receipt)
 """
 
 
