@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -258,6 +258,10 @@ class Signed:
 
     body: bytes
     signature: bytes
+    record: RoundRequest | RoundResult | None = field(default=None, compare=False, repr=False)
+    """The record `body` is the encoding of, kept when this process made `body` by encoding
+    it (never set from received bytes): the round's readers take it instead of decoding what
+    was just encoded. `request_of` / `result_of` fall back to decoding `body`."""
 
     def encode(self) -> bytes:
         return Writer("signed").blob(self.body).blob(self.signature).bytes()
@@ -268,3 +272,21 @@ class Signed:
         out = cls(r.blob(), r.blob())
         r.end()
         return out
+
+    @classmethod
+    def of(cls, record: RoundRequest | RoundResult, signature_of) -> Signed:
+        """`record` encoded, signed by `signature_of(body)`, and kept beside its bytes."""
+        body = record.encode()
+        return cls(body, signature_of(body), record)
+
+
+def request_of(signed: Signed) -> RoundRequest:
+    """The round request `signed.body` encodes."""
+    record = signed.record
+    return record if isinstance(record, RoundRequest) else RoundRequest.decode(signed.body)
+
+
+def result_of(signed: Signed) -> RoundResult:
+    """The round result `signed.body` encodes."""
+    record = signed.record
+    return record if isinstance(record, RoundResult) else RoundResult.decode(signed.body)

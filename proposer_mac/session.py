@@ -25,6 +25,8 @@ from muser.records import (
     Signed,
     advance,
     draws_for_round,
+    request_of,
+    result_of,
     sha256,
     state_digest,
     tokens_bytes,
@@ -135,14 +137,13 @@ class ProposerSession:
             self.open.proposer_key_id,
             decode_len,
         )
-        body = request.encode()
-        return Signed(body, private.sign(body))
+        return Signed.of(request, private.sign)
 
     def check_result(
         self, signed_request: Signed, signed: Signed, verifiers: dict[str, Ed25519PublicKey]
     ) -> RoundResult:
         try:
-            result = RoundResult.decode(signed.body)
+            result = result_of(signed)
         except RefusedError as exc:
             raise ResultRejected(f"result is not a canonical round result: {exc}") from exc
         key = verifiers.get(result.verifier_key_id)
@@ -155,7 +156,7 @@ class ProposerSession:
             keys.verify(key, signed.body, signed.signature, f"round {result.round} result")
         except keys.SignatureError as exc:
             raise ResultRejected(str(exc)) from exc
-        request = RoundRequest.decode(signed_request.body)
+        request = request_of(signed_request)
         depth = len(request.drafts)
         checks = [
             ("session", result.session_id, self.session_id),

@@ -249,7 +249,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             pb.VerifierMessage(fragment=pb.Fragment(digest=d, data=data))
             for d, data in outcome.captures
         ]
-        result = convert.result_to_pb(Signed.decode(outcome.signed), outcome.timings)
+        signed = Signed.decode(outcome.signed)  # outcome.result is what its body encodes
+        result = convert.result_to_pb(Signed(signed.body, signed.signature, outcome.result),
+                                      outcome.timings)  # fmt: skip
         out.append(pb.VerifierMessage(result=result))
         if outcome.retry:
             log.info("%s: retry answered with the committed result", where)

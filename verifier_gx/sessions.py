@@ -59,6 +59,7 @@ from muser.records import (
     SessionOpen,
     Signed,
     close_message,
+    request_of,
     sha256,
 )
 from muser.stats import VerifierStats
@@ -326,7 +327,7 @@ class SessionManager:
         return await _background(self._round(signed))
 
     async def _round(self, signed: Signed) -> RoundOutcome:
-        request = RoundRequest.decode(signed.body)
+        request = request_of(signed)
         digest = sha256(signed.body)
         sid = request.session_id
         self.state(sid)

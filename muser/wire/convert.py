@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from muser.records import Identity, RoundRequest, RoundResult, SessionOpen, Signed
+from muser.records import (
+    Identity,
+    RoundRequest,
+    RoundResult,
+    SessionOpen,
+    Signed,
+    request_of,
+    result_of,
+)
 from muser.sampling import SamplingParams, SparseRow
 from muser.wire import muser_v2_pb2 as pb
 
@@ -77,7 +85,7 @@ def open_from_pb(m: pb.OpenSessionRequest) -> SessionOpen:
 
 
 def request_to_pb(signed: Signed) -> pb.RoundRequest:
-    r = RoundRequest.decode(signed.body)
+    r = request_of(signed)
     return pb.RoundRequest(
         session_id=r.session_id,
         round=r.round,
@@ -86,7 +94,7 @@ def request_to_pb(signed: Signed) -> pb.RoundRequest:
         frontier=r.frontier,
         drafts=list(r.drafts),
         q_rows=[
-            pb.SparseRow(ids=[int(t) for t in q.ids], weights=[float(x) for x in q.weights])
+            pb.SparseRow(ids=np.asarray(q.ids).tolist(), weights=np.asarray(q.weights).tolist())
             for q in r.q_rows
         ],
         pre_state_digest=r.pre_state_digest,
@@ -115,11 +123,11 @@ def request_from_pb(m: pb.RoundRequest) -> Signed:
         m.proposer_key_id,
         m.decode_len,
     )
-    return Signed(r.encode(), m.signature)
+    return Signed(r.encode(), m.signature, r)
 
 
 def result_to_pb(signed: Signed, timings: dict[str, float] | None = None) -> pb.RoundResult:
-    r = RoundResult.decode(signed.body)
+    r = result_of(signed)
     t = timings or {}
     return pb.RoundResult(
         session_id=r.session_id,
@@ -162,4 +170,4 @@ def result_from_pb(m: pb.RoundResult) -> Signed:
         m.verifier_key_id,
         tuple(m.decoded),
     )
-    return Signed(r.encode(), m.signature)
+    return Signed(r.encode(), m.signature, r)

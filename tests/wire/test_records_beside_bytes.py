@@ -1,0 +1,63 @@
+"""A signed record keeps the record it was encoded from (`Signed.record`), so the round's
+readers do not decode what was just encoded; bytes received from elsewhere are decoded."""
+
+from __future__ import annotations
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from muser.records import RoundRequest, RoundResult, Signed, request_of, result_of
+from muser.sampling import SparseRow
+from muser.wire import convert
+
+KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+
+
+def request() -> RoundRequest:
+    rows = tuple(
+        SparseRow(np.array([1, 5, 9 + i]), np.array([0.25, 0.5, 0.125 * (i + 1)])) for i in range(3)
+    )
+    return RoundRequest(
+        b"s" * 16, 7, 2, b"h" * 32, 11, (5, 9, 10), rows, b"m" * 32, (b"t" * 32,), "kid", 1
+    )
+
+
+def result() -> RoundResult:
+    return RoundResult(
+        b"s" * 16, 7, 2, b"h" * 32, b"r" * 32, 11, (5, 9, 10), 2, 4, b"p" * 32, b"x" * 32,
+        (), b"n" * 32, "vk", (),
+    )  # fmt: skip
+
+
+def same_request(a: RoundRequest, b: RoundRequest) -> None:
+    assert a.encode() == b.encode()
+    for qa, qb in zip(a.q_rows, b.q_rows, strict=True):
+        assert qa.ids.tolist() == qb.ids.tolist() and qa.weights.tolist() == qb.weights.tolist()
+
+
+def test_a_signed_request_keeps_its_record_and_received_bytes_are_decoded():
+    r = request()
+    signed = Signed.of(r, KEY.sign)
+    assert signed.body == r.encode() and signed.record is r
+    KEY.public_key().verify(signed.signature, signed.body)
+    assert request_of(signed) is r
+    received = Signed.decode(signed.encode())
+    assert received.record is None and received == signed  # the record is not compared
+    same_request(request_of(received), r)
+
+
+def test_a_request_through_protobuf_is_the_record_its_body_encodes():
+    signed = Signed.of(request(), KEY.sign)
+    back = convert.request_from_pb(convert.request_to_pb(signed))
+    assert back == signed and back.record is not None
+    assert back.record.encode() == back.body
+    same_request(request_of(back), RoundRequest.decode(back.body))
+
+
+def test_a_result_through_protobuf_is_the_record_its_body_encodes():
+    r = result()
+    signed = Signed.of(r, KEY.sign)
+    assert result_of(signed) is r
+    back = convert.result_from_pb(convert.result_to_pb(signed))
+    assert back == signed and back.record.encode() == back.body
+    assert result_of(Signed.decode(back.encode())) == r  # decoded: equal, not the same object
