@@ -265,8 +265,32 @@ def run_bench(
     return samples
 
 
+def expected_tokens(acceptance: float, depth: float) -> float:
+    """Tokens per round of D drafts each accepted with probability α independently (the
+    standard speculative-decoding estimate): (1 − α^(D+1)) / (1 − α); D + 1 when α = 1."""
+    if acceptance >= 1.0:
+        return depth + 1.0
+    return (1.0 - acceptance ** (depth + 1.0)) / (1.0 - acceptance)
+
+
+def _predicted(row: dict, drafted: int, rounds: int) -> float | None:
+    """The lane's tokens/s predicted from its measured acceptance and its measured draft and
+    verify compute per round (every other cost gone). None without drafts, without a
+    measured draft and verify split, or when rounds emitted more than D + 1 tokens (decode
+    rounds: the estimate does not describe them)."""
+    split, acceptance = row["split_s"], row["acceptance"]
+    if not drafted or not rounds or acceptance is None or "draft" not in split:
+        return None
+    depth = drafted / rounds
+    if row["tokens_per_round"] > depth + 1.0 + 1e-9 or not split.get("verify"):
+        return None
+    return expected_tokens(acceptance, depth) / ((split["draft"] + split["verify"]) / rounds)
+
+
 def summarise(samples: list[Sample]) -> dict[str, dict]:
-    """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio."""
+    """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio;
+    the verifier-only ceiling, the ideal (measured compute only) and the speedup over plain
+    predicted from measured acceptance and compute (`expected_tokens`)."""
     by_lane: dict[str, dict[int, list[Sample]]] = {}
     for s in samples:
         by_lane.setdefault(s.lane, {}).setdefault(s.repeat, []).append(s)
@@ -297,6 +321,11 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_round": emitted / rounds if rounds else None,
         }
+        out[lane]["predicted_tokens_per_s"] = _predicted(out[lane], drafted, rounds)
+    plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
+    for row in out.values():
+        predicted = row["predicted_tokens_per_s"]
+        row["predicted_speedup"] = predicted / plain_compute if predicted and plain_compute else None
     if "plain" in out:
         base = out["plain"]["tokens_per_s"]
         for row in out.values():
@@ -331,7 +360,7 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
 def format_table(summary: dict) -> str:
     head = (
         f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'×local':>7} {'accept':>7} "
-        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'=plain':>7}"
+        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'pred×':>6} {'=plain':>7}"
     )
     lines = [head]
     for lane, r in summary.items():
@@ -342,11 +371,12 @@ def format_table(summary: dict) -> str:
         ratio = f"{r['tokens_per_s'] / ceiling:.2f}" if ceiling else "-"
         to_local = f"{r['ratio_to_local']:.2f}" if "ratio_to_local" in r else "-"
         ideal = f"{r['ideal_tokens_per_s']:.1f}" if r.get("ideal_tokens_per_s") else "-"
+        pred = f"{r['predicted_speedup']:.2f}" if r.get("predicted_speedup") else "-"
         lo, hi = r["spread"]
         lines.append(
             f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
             f"{r.get('ratio_to_plain', 0):>7.2f} {to_local:>7} {acc:>7} {tpr:>7} {ceil_s:>8} "
-            f"{ratio:>6} {ideal:>7} {r['greedy_match_plain']:>7}"
+            f"{ratio:>6} {ideal:>7} {pred:>6} {r['greedy_match_plain']:>7}"
         )
     splits = [(lane, r["split_s"]) for lane, r in summary.items() if r.get("split_s")]
     if splits:

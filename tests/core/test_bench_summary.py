@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from muser.benchmark import Sample, format_table, summarise, vllm_speculative_lane
+from muser.benchmark import (
+    Sample,
+    expected_tokens,
+    format_table,
+    summarise,
+    vllm_speculative_lane,
+)
 from muser.vllm_peer import ENV_PYTHON, default_vllm_python
 
 
@@ -39,10 +45,34 @@ def test_ratios_ceiling_and_ideal_come_from_the_samples():
     assert out["local"]["verifier_ceiling"] == pytest.approx(200 / 3.0)
     assert out["local"]["ideal_tokens_per_s"] == pytest.approx(200 / 4.0)  # 200 / (1.0 + 3.0)
     assert out["plain"]["ideal_tokens_per_s"] is None  # no draft cost measured
+    # α = 0.5, D = 1.6: E = (1 - 0.5^2.6) / 0.5 tokens per round, each round 4.0 s / 100
+    expected = (1 - 0.5**2.6) / 0.5 / 0.04
+    assert out["local"]["predicted_tokens_per_s"] == pytest.approx(expected)
+    assert out["local"]["predicted_speedup"] == pytest.approx(expected / (200 / 3.0))
+    assert out["plain"]["predicted_speedup"] is None
     table = format_table(out)
-    assert "×local" in table and "ideal" in table
+    assert "×local" in table and "ideal" in table and "pred×" in table
     cluster_line = next(line for line in table.splitlines() if line.startswith("cluster@0ms"))
     assert " 0.50 " in cluster_line
+
+
+def test_expected_tokens_is_the_geometric_estimate():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+
+
+def test_no_prediction_for_decode_rounds_or_without_a_draft_split():
+    split = {"draft": 0.1, "verify": 1.0}
+    samples = [
+        sample("plain", 0, 100, 1.0, split_s={"verify": 1.0}),
+        # 10 rounds, 4 drafts in all, 100 tokens: decode rounds emitted more than D + 1
+        sample("adaptive", 0, 100, 1.0, drafted=4, accepted=2, rounds=10, split_s=split),
+        sample("peer", 0, 100, 1.0, drafted=80, accepted=40, rounds=50),
+    ]
+    out = summarise(samples)
+    assert out["adaptive"]["predicted_speedup"] is None
+    assert out["peer"]["predicted_speedup"] is None
 
 
 def test_the_vllm_peer_is_counted_like_the_other_peers():
