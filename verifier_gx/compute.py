@@ -21,7 +21,7 @@ from muser.sampling import target_probs
 from muser.stats import VerifierStats
 from muser.verify import RoundDecision, judge_round
 from verifier_gx.admission import capture_fragment
-from verifier_gx.decode import decode_decision, decode_round
+from verifier_gx.decode import decode_batch, decode_decision
 from verifier_gx.executor import witness_batch
 from verifier_gx.journal import SessionState
 from verifier_gx.kvpool import KvPool
@@ -109,18 +109,14 @@ class RoundComputer:
         executors = [self.kv.executor(job.state.session_id) for job in jobs]
         logits: dict[int, np.ndarray] = {}
         captured: dict[int, dict[int, np.ndarray]] = {}
-        batched = []
+        batched, decoding = [], []
         for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
             transcript = job.state.transcript
             if job.state.next_round > 0:  # round 0 prefills the prompt: not a rebuild
                 held = ex.cursor.reusable(transcript[:-1])
                 self.stats.kv_rebuilt_tokens += len(transcript) - 1 - held
             if job.request.decode_len > 1:  # a decode round: its steps depend on each other
-                try:
-                    out[i] = (self._decode(job, ex), [])
-                except Exception as exc:
-                    ex.cursor.realign()
-                    out[i] = exc
+                decoding.append(i)
                 continue
             layers = sorted(set(job.state.open.capture_layers))
             if not (layers and hasattr(self.backend, "evaluate_capture")):
@@ -133,6 +129,7 @@ class RoundComputer:
             except Exception as exc:
                 ex.cursor.realign()
                 out[i] = exc
+        self._decode_batch(jobs, executors, decoding, out)
         rounds = [(executors[i], jobs[i].state.transcript, jobs[i].request.drafts) for i in batched]
         try:
             logits.update(zip(batched, witness_batch(self.backend, rounds), strict=True))
@@ -151,10 +148,17 @@ class RoundComputer:
                 out[i] = exc
         return out  # type: ignore[return-value]
 
-    def _decode(self, job: RoundJob, ex) -> RoundDecision:
-        state = job.state
-        decoded = decode_round(ex, state.transcript, state.mt, job.request.decode_len, state.params)
-        return decode_decision(decoded, state.mt)
+    def _decode_batch(self, jobs: list[RoundJob], executors: list, which: list[int], out: list):
+        """The decode rounds `which` of the batch, in lockstep (`decode_batch`): out[i] gets
+        round i's (decision, no captures) or its exception."""
+        work = [
+            (executors[i], jobs[i].state.transcript, jobs[i].state.mt, jobs[i].request.decode_len,
+             jobs[i].state.params)
+            for i in which
+        ]  # fmt: skip
+        for i, decoded in zip(which, decode_batch(self.backend, work), strict=True):
+            failed = isinstance(decoded, Exception)
+            out[i] = decoded if failed else (decode_decision(decoded, jobs[i].state.mt), [])
 
     def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
         state, request = job.state, job.request

@@ -6,6 +6,12 @@ MT19937 stream (none when greedy), stopping early after a stop token. That is ex
 singleton rounds (DESIGN.md §4, D = 0) back to back — the same target rows, the same draws, the same tokens — so
 the wire, the WAL commit and the signatures are paid once per k tokens instead of once per
 token, and the local lane (which runs the same function) emits the same text.
+
+`decode_batch` runs the decode rounds of several sessions in lockstep: step i of every round
+still decoding goes through one forward (`witness_batch`), so n sessions' k-token rounds cost
+k forwards rather than n × k. Each round's rows, draws and tokens are computed exactly as
+`decode_round` computes them alone (a batched forward's rows are those of the backend's
+batched path, as for rounds with drafts).
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from muser.backend import ModelBackend
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, target_probs
 from muser.verify import RoundDecision, judge_round
-from verifier_gx.executor import TargetExecutor
+from verifier_gx.executor import TargetExecutor, witness_batch
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,43 @@ class Decoded:
     """The target's raw logits row each token was sampled from, shape (len(tokens), V)."""
 
 
+class _Decoding:
+    """One decode round under way: its transcript so far, MT state, tokens and rows."""
+
+    def __init__(
+        self,
+        executor: TargetExecutor,
+        transcript: Sequence[int],
+        state: Mt19937,
+        decode_len: int,
+        params: SamplingParams,
+    ) -> None:
+        if decode_len < 1:
+            raise ValueError(f"decode_len must be >= 1, got {decode_len}")
+        self.executor, self.decode_len, self.params = executor, decode_len, params
+        self.sequence = [int(t) for t in transcript]
+        self.rng = state
+        self.tokens: list[int] = []
+        self.rows: list[np.ndarray] = []
+
+    def step(self, logits: np.ndarray) -> bool:
+        """Judge one singleton round on `logits` (the row after the sequence), settle its KV;
+        True when the round is complete (decode_len tokens, or a stop token)."""
+        p = self.params
+        decision = judge_round(
+            self.rng, self.sequence[-1], [], [], target_probs(logits, p), greedy=p.greedy
+        )
+        self.executor.settle(len(self.sequence), 0)
+        self.rng = decision.post_state
+        self.tokens.append(decision.next_frontier)
+        self.sequence.append(decision.next_frontier)
+        self.rows.append(logits[0])
+        return len(self.tokens) == self.decode_len or decision.next_frontier in p.stop_tokens
+
+    def result(self) -> Decoded:
+        return Decoded(self.tokens, self.rng, np.stack(self.rows))
+
+
 def decode_round(
     executor: TargetExecutor,
     transcript: Sequence[int],
@@ -39,23 +83,51 @@ def decode_round(
 ) -> Decoded:
     """Sample up to `decode_len` tokens after `transcript` (which ends with the frontier): each
     step is a singleton round (DESIGN.md §4) judged by `judge_round`, its KV settled."""
-    if decode_len < 1:
-        raise ValueError(f"decode_len must be >= 1, got {decode_len}")
-    sequence = [int(t) for t in transcript]
-    rng, tokens, rows = state, [], []
-    for _ in range(decode_len):
-        logits = executor.witness_logits(sequence, [])
-        decision = judge_round(
-            rng, sequence[-1], [], [], target_probs(logits, params), greedy=params.greedy
-        )
-        executor.settle(len(sequence), 0)
-        rng = decision.post_state
-        tokens.append(decision.next_frontier)
-        sequence.append(decision.next_frontier)
-        rows.append(logits[0])
-        if decision.next_frontier in params.stop_tokens:
-            break
-    return Decoded(tokens, rng, np.stack(rows))
+    work = [(executor, transcript, state, decode_len, params)]
+    (out,) = decode_batch(executor.cursor.backend, work)
+    if isinstance(out, Exception):
+        raise out
+    return out
+
+
+def decode_batch(
+    backend: ModelBackend,
+    work: Sequence[tuple[TargetExecutor, Sequence[int], Mt19937, int, SamplingParams]],
+) -> list[Decoded | Exception]:
+    """`decode_round` of each (executor, transcript, state, decode_len, params), in lockstep:
+    one `witness_batch` forward per step over the rounds still decoding. A round that fails
+    (its forward, its row) gets its exception in its place; the others go on without it."""
+    out: list[Decoded | Exception | None] = [None] * len(work)
+    rounds: dict[int, _Decoding] = {}
+    for i, args in enumerate(work):
+        try:
+            rounds[i] = _Decoding(*args)
+        except ValueError as exc:
+            out[i] = exc
+    while rounds:
+        live = list(rounds)
+        steps = [(rounds[i].executor, rounds[i].sequence, ()) for i in live]
+        try:
+            rows: list[np.ndarray | Exception] = list(witness_batch(backend, steps))
+        except Exception:  # one round's failure must not fail the others: run them alone
+            rows = []
+            for step in steps:
+                try:
+                    rows.append(witness_batch(backend, [step])[0])
+                except Exception as exc:
+                    rows.append(exc)
+        for i, logits in zip(live, rows, strict=True):
+            try:
+                if isinstance(logits, Exception):
+                    raise logits
+                done = rounds[i].step(logits)
+            except Exception as exc:
+                rounds.pop(i).executor.cursor.realign()
+                out[i] = exc
+                continue
+            if done:
+                out[i] = rounds.pop(i).result()
+    return out  # type: ignore[return-value]
 
 
 def decode_decision(decoded: Decoded, state: Mt19937) -> RoundDecision:
