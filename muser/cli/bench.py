@@ -32,7 +32,8 @@ def register(sub, name: str, help_text: str) -> None:
         default=None,
         metavar="LO:HI",
         help="also run the local and cluster lanes with adaptive width in [LO, HI] "
-        "(lanes local-adaptive, cluster@Xms-adaptive), beside the fixed --draft-len ones",
+        "(lanes local-adaptive, cluster@Xms-adaptive), beside the fixed --draft-len ones; "
+        "--suite sessions: the sessions run adaptive in [LO, HI] instead of fixed",
     )
     p.add_argument("--q-top-k", type=int, default=32)
     p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
@@ -239,16 +240,18 @@ def _run_sessions(args: argparse.Namespace) -> int:
     oracle = None
     if params.greedy:
         oracle = oracle_tokens(pair.target, prompts, params, args.max_tokens, args.target_device)
+    draft_range = _draft_range(args)
     with cluster_lanes(
         pair.target,
         pair.draft,
         params,
         draft_len=args.draft_len,
         delays_ms=[0.0],
+        draft_range=draft_range,
         target_device=args.target_device,
     ) as lanes:
         samples, rates = run_sessions_bench(
-            lanes["cluster@0ms"],
+            lanes["cluster@0ms-adaptive" if draft_range else "cluster@0ms"],
             prompts,
             sessions,
             args.max_tokens,
@@ -268,6 +271,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
         "draft": str(pair.draft),
         "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
         "draft_len": args.draft_len,
+        "draft_range": list(draft_range) if draft_range else None,
         "target_device": args.target_device,
         "max_tokens": args.max_tokens,
         "sessions": sessions,
