@@ -287,6 +287,18 @@ def _predicted(row: dict, drafted: int, rounds: int) -> float | None:
     return expected_tokens(acceptance, depth) / ((split["draft"] + split["verify"]) / rounds)
 
 
+def _overhead_ms(samples: list[Sample]) -> float | None:
+    """Median over runs of (wall − draft − verify compute) / rounds, in ms: what a round
+    costs besides its two computes (transport, WAL, signatures, Python, waiting). None for
+    lanes without a draft and verify split (plain decode, the peers)."""
+    per_run = [
+        1e3 * (s.wall_s - s.split_s["draft"] - s.split_s["verify"]) / s.rounds
+        for s in samples
+        if s.rounds and "draft" in s.split_s and "verify" in s.split_s and s.drafted
+    ]
+    return statistics.median(per_run) if per_run else None
+
+
 def summarise(samples: list[Sample]) -> dict[str, dict]:
     """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio;
     the verifier-only ceiling, the ideal (measured compute only) and the speedup over plain
@@ -322,6 +334,7 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
             "tokens_per_round": emitted / rounds if rounds else None,
         }
         out[lane]["predicted_tokens_per_s"] = _predicted(out[lane], drafted, rounds)
+        out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
     plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
     for row in out.values():
         predicted = row["predicted_tokens_per_s"]
@@ -360,7 +373,8 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
 def format_table(summary: dict) -> str:
     head = (
         f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'×local':>7} {'accept':>7} "
-        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'pred×':>6} {'=plain':>7}"
+        f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'pred×':>6} {'ovh ms':>6} "
+        f"{'=plain':>7}"
     )
     lines = [head]
     for lane, r in summary.items():
@@ -372,11 +386,13 @@ def format_table(summary: dict) -> str:
         to_local = f"{r['ratio_to_local']:.2f}" if "ratio_to_local" in r else "-"
         ideal = f"{r['ideal_tokens_per_s']:.1f}" if r.get("ideal_tokens_per_s") else "-"
         pred = f"{r['predicted_speedup']:.2f}" if r.get("predicted_speedup") else "-"
+        ovh = r.get("overhead_ms_per_round")
+        ovh_s = f"{ovh:.2f}" if ovh is not None else "-"
         lo, hi = r["spread"]
         lines.append(
             f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
             f"{r.get('ratio_to_plain', 0):>7.2f} {to_local:>7} {acc:>7} {tpr:>7} {ceil_s:>8} "
-            f"{ratio:>6} {ideal:>7} {pred:>6} {r['greedy_match_plain']:>7}"
+            f"{ratio:>6} {ideal:>7} {pred:>6} {ovh_s:>6} {r['greedy_match_plain']:>7}"
         )
     splits = [(lane, r["split_s"]) for lane, r in summary.items() if r.get("split_s")]
     if splits:

@@ -62,6 +62,21 @@ def test_expected_tokens_is_the_geometric_estimate():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
 
 
+def test_overhead_is_the_median_run_wall_beyond_the_two_computes_per_round():
+    split = {"draft": 0.2, "verify": 0.5, "transport": 0.1}
+    samples = [
+        sample("plain", 0, 100, 1.0, split_s={"verify": 1.0}),
+        sample("cluster", 0, 100, 1.0, drafted=80, accepted=40, rounds=50, split_s=split),
+        sample("cluster", 1, 100, 0.9, drafted=80, accepted=40, rounds=50, split_s=split),
+        sample("cluster", 2, 100, 2.7, drafted=80, accepted=40, rounds=50, split_s=split),
+    ]
+    out = summarise(samples)
+    assert out["cluster"]["overhead_ms_per_round"] == pytest.approx(1e3 * 0.3 / 50)  # median
+    assert out["plain"]["overhead_ms_per_round"] is None
+    line = next(x for x in format_table(out).splitlines() if x.startswith("cluster"))
+    assert " 6.00 " in line
+
+
 def test_no_prediction_for_decode_rounds_or_without_a_draft_split():
     split = {"draft": 0.1, "verify": 1.0}
     samples = [
