@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Literal, TextIO
 
+from muser.errors import InvalidOverrideError
+
 LogFormat = Literal["text", "json"]
 FORMATS: tuple[LogFormat, ...] = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -114,8 +116,16 @@ def make_handler(fmt: LogFormat = "text", stream: TextIO | None = None) -> loggi
     return handler
 
 
+LEVELS = ("debug", "info", "warning", "error")
+
+
 def configure(level: str = "info", fmt: LogFormat = "text", stream: TextIO | None = None) -> None:
     """Install one handler on the root logger (replacing any), for a daemon process."""
+    if level not in LEVELS:
+        raise InvalidOverrideError(
+            f"log level {level!r} (--log-level or $MUSER_LOG_LEVEL): expected one of "
+            f"{', '.join(LEVELS)}"
+        )
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -124,13 +134,15 @@ def configure(level: str = "info", fmt: LogFormat = "text", stream: TextIO | Non
 
 
 def add_arguments(parser) -> None:
-    """--log-level and --log-format for a daemon's `serve` (the format's default comes from
-    MUSER_LOG_FORMAT, so a supervisor or test can switch a whole cluster to JSON lines)."""
+    """--log-level and --log-format for a daemon's `serve` (their defaults come from
+    MUSER_LOG_LEVEL and MUSER_LOG_FORMAT, so a supervisor or test can switch a whole cluster
+    to per-round DEBUG lines or to JSON lines)."""
     parser.add_argument(
         "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level of the lines on stderr (default info)",
+        default=os.environ.get("MUSER_LOG_LEVEL", "info").lower(),
+        choices=LEVELS,
+        help="log level of the lines on stderr (default info, or $MUSER_LOG_LEVEL; debug adds "
+        "a line per round)",
     )
     default = os.environ.get("MUSER_LOG_FORMAT", "text")
     parser.add_argument(

@@ -17,8 +17,10 @@ from tests.metrics.test_exporter import samples
 
 @pytest.fixture
 def json_cluster(tmp_path, fixture_pair, monkeypatch):
-    """Both daemons with `http` set (as `muser config init` writes) and JSON log lines."""
+    """Both daemons with `http` set (as `muser config init` writes), JSON log lines, and the
+    per-round DEBUG lines."""
     monkeypatch.setenv("MUSER_LOG_FORMAT", "json")
+    monkeypatch.setenv("MUSER_LOG_LEVEL", "debug")
     c = make_cluster(tmp_path, fixture_pair)
     assert c.config.verifier.http and c.config.proposer.http
     if not c.config.lane.receipt.exists():  # the verifier serves a qualified lane only

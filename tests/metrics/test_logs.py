@@ -66,8 +66,32 @@ def test_log_format_flag_on_both_daemons(monkeypatch):
     assert args.log_format == "json"
 
 
+def test_log_level_comes_from_the_flag_then_the_environment(monkeypatch):
+    serve = ["proposer", "serve", "--config", "c.toml"]
+    assert build_parser().parse_args(serve).log_level == "info"
+    monkeypatch.setenv("MUSER_LOG_LEVEL", "DEBUG")
+    assert build_parser().parse_args(serve).log_level == "debug"
+    assert build_parser().parse_args([*serve, "--log-level", "error"]).log_level == "error"
+
+
+def test_a_bad_log_level_from_the_environment_is_refused(monkeypatch):
+    from muser.errors import InvalidOverrideError
+
+    monkeypatch.setenv("MUSER_LOG_LEVEL", "loud")
+    args = build_parser().parse_args(["verifier", "serve", "--config", "c.toml"])
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    with pytest.raises(
+        InvalidOverrideError,
+        match=r"log level 'loud' \(--log-level or \$MUSER_LOG_LEVEL\): expected one of debug, info, warning, error",
+    ):
+        logs.configure(args.log_level, args.log_format)
+    assert root.handlers == handlers  # nothing was installed
+
+
 @pytest.mark.asyncio
 async def test_verifier_round_lines_carry_session_and_round(verifier, captured):
+    logging.getLogger("muser").setLevel(logging.DEBUG)  # one line per round, at DEBUG
     client = verifier.client(SamplingParams(temperature=1.0, max_tokens=12, seed=9))
     await client.open_session()
     stream = await client.attach()
