@@ -152,6 +152,14 @@ class Lane(_Strict):
         description="Draft round r+1 while round r is at the verifier, on the guess that r is "
         "fully accepted (latency hiding; never changes the tokens).",
     )
+    draft_batch: bool = Field(
+        True,
+        description="Draft the rounds of sessions waiting in the proposer's draft thread "
+        "together, one batched forward per draft step (torch drafts that batch; mlx and "
+        "windowed drafts draft each alone). A session drafting alone is unaffected; sampled "
+        "text of concurrent sessions keeps its distribution but may differ from the local "
+        "lane's in the last float bits of q.",
+    )
     receipt: Path = Field(
         Path("qualification.json"),
         description="The lane's qualification receipt (`muser qualify` writes it; the verifier "

@@ -101,13 +101,20 @@ class KvCursor:
 
     def sync(self, tokens: Sequence[int]) -> np.ndarray:
         """Make the cache hold exactly `tokens`; return the logits after the last one."""
+        todo = self.prepare(tokens)
+        return self.extend(todo)[-1] if todo else self.last_row
+
+    def prepare(self, tokens: Sequence[int]) -> list[int]:
+        """The first half of `sync`: roll back to what `tokens` shares with the cache and
+        return the rest, to be evaluated here (`extend`) or in a batched forward (`record`).
+        Empty when the cache holds `tokens` and `last_row` is their row."""
         if not tokens:
             raise ValueError("cannot sync a cursor to an empty token list")
         self._claim()
         common = self._common_prefix(tokens)
         if common == len(tokens) == len(self.tokens) and self.last_row is not None:
-            return self.last_row
+            return []
         if common == len(tokens):
             common -= 1  # the last row is needed: re-evaluate the last token
         self.truncate(common)
-        return self.extend(tokens[common:])[-1]
+        return [int(t) for t in tokens[common:]]

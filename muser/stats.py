@@ -282,6 +282,26 @@ class DaemonStats:
 
 
 @dataclass
+class DraftingStats:
+    """The proposer's draft thread. A draft batch is the rounds (drafts or speculations) of
+    different sessions drafted in lockstep, one forward per draft step across them; a round
+    drafted alone is a batch of one. Observed in the draft thread, read on the event loop."""
+
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    """Batch size -> batches of that size."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def observe_batch(self, size: int) -> None:
+        with self._lock:
+            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+
+    def to_dict(self) -> dict[str, int]:
+        """The histogram with string keys, as the status JSON carries it."""
+        with self._lock:
+            return {str(k): n for k, n in sorted(self.batch_sizes.items())}
+
+
+@dataclass
 class VerifierStats(LaneStats, DaemonStats):
     """The verifier's rounds (no draft or transport phase there) plus its daemon stats.
 

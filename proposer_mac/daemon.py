@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
 from muser import keys, tls
+from muser.backend import batches
 from muser.errors import MuserError, RefusedError
 from muser.metrics import DaemonView, metrics_route, status_fields
 from muser.records import Identity, RoundResult
@@ -62,6 +63,8 @@ class ProposerCore:
             opts = {"device": p.device} if p.backend == "mlx" else {"dtype": p.dtype}
             draft = load_draft_backend(p.backend, p.draft, **opts)
         self.draft = draft
+        self.draft_batch = config.lane.draft_batch and batches(draft)
+        """Sessions draft on sequences of `draft` and wait in the draft thread together."""
         self.draft_identity = _identity(draft.identity)
         self.target_identity = target_identity or _target_identity(config)
         Path(p.wal_dir).mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,7 @@ class ProposerCore:
             log=self.log,
             channel=self.channel,
             speculate=config.lane.speculate,
+            batch_with=draft if self.draft_batch else None,
         )
         self.runners: dict[bytes, SessionRunner] = {}
         self.retired = LaneStats(phases={})
@@ -96,11 +100,12 @@ class ProposerCore:
         return self._tokenizer
 
     def _runner(self, session: ProposerSession) -> SessionRunner:
-        # each session drafts on a KV of its own when the backend can fork one (torch, mlx):
-        # interleaved sessions then never re-prefill each other's transcripts
-        own = hasattr(self.draft, "fork")
-        drafter = Drafter(self.draft.fork() if own else self.draft, session.params,
-                          self.config.lane.q_top_k)  # fmt: skip
+        # each session drafts on a KV of its own when the backend has them: a sequence (one
+        # batched forward drafts many) or a fork (torch, mlx); interleaved sessions then never
+        # re-prefill each other's transcripts
+        own = self.draft_batch or hasattr(self.draft, "fork")
+        backend = draft_kv(self.draft, self.draft_batch)
+        drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
         self._forget_finished()
@@ -189,6 +194,14 @@ class ProposerCore:
         runner = self._runner(session)
         runner.start()
         return runner
+
+
+def draft_kv(draft, batch: bool):
+    """The backend one session drafts on: a sequence of `draft` when sessions draft together
+    (`batch`), else a fork when `draft` has one, else `draft` itself (a shared KV)."""
+    if batch:
+        return draft.sequence()
+    return draft.fork() if hasattr(draft, "fork") else draft
 
 
 def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
@@ -336,6 +349,12 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             "active": sum(1 for r in core.runners.values() if not r.session.done),
             # "mlx:gpu", "mlx:cpu", "torch:cpu": where the draft runs, as loaded (never assumed)
             "draft_device": getattr(core.draft, "device_label", "unknown"),
+            # rounds of concurrent sessions drafted together (lane.draft_batch): size -> batches
+            "drafting": {
+                "batch": core.draft_batch,
+                "batch_sizes": core.context.drafts.stats.to_dict(),
+                "waiting": core.context.drafts.waiting,
+            },
             "verifier": core.config.verifier.address,
         }
         return pb.StatusResponse(

@@ -10,20 +10,32 @@ that r is fully accepted and that its bonus token is the one the draft itself wo
 with the same draw (the draw the verifier will use for the bonus is known: the stream is
 replayable). The guess only decides *when* a draft is computed, never *what* it is: the
 speculative draft runs the same cursor operations from the same checkpoint as a draft made
-after the result, so on a hit it is bit-for-bit the draft the local lane makes, and on a
-miss the cursor is put back to the checkpoint before drafting again. Exactness does not
+after the result, so on a hit it is the draft the local lane makes (bit for bit when it was
+drafted alone; see batched drafting below), and on a miss the cursor is put back to the
+checkpoint before drafting again. Exactness does not
 depend on the guess.
+
+Batched drafting: a draft and a speculation are written as *steps*, generators that yield
+the tokens whose rows they need next and receive those rows. `Drafter.draft` feeds one from
+its own cursor (`KvCursor.extend`); `run_together` feeds the steps of several sessions,
+each on its own sequence of one `MultiSequenceBackend`, from one batched forward per step,
+so rounds waiting together cost one forward per draft token instead of one per session.
+The draws are the same either way (one per draft row, in order, from the round's own copy
+of the pre-round state); a batched row may differ from the lone one in its last float bits,
+which moves no distribution: the request carries the q rows the drafts were sampled from,
+and the verifier judges against those.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from muser.backend import ModelBackend
+from muser.backend import ModelBackend, MultiSequenceBackend
 from muser.cursor import KvCursor
 from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
@@ -45,6 +57,13 @@ class Speculation:
     depth: int
     proposal: Draft | None
     """None when the speculation was stopped or the guess ends the session."""
+
+
+T = TypeVar("T")
+Steps = Generator[list[int], np.ndarray, T]
+"""Drafting as steps: yields the tokens to evaluate after the cursor's cache, is sent their
+rows (len(tokens), V), and returns its result. Whoever drives it evaluates the tokens on the
+drafter's cursor (and records them there), so the cursor always holds what was evaluated."""
 
 
 class Stopped(Exception):
@@ -74,16 +93,36 @@ class Drafter:
         stop: threading.Event | None = None,
     ) -> Draft:
         """Draft `depth` tokens after `transcript` (which ends with the frontier)."""
+        return self.run(self.draft_steps(transcript, state, depth, stop))
+
+    def run(self, steps: Steps[T]) -> T:
+        """Drive `steps` alone, each step's rows from this drafter's own cursor."""
+        try:
+            tokens = next(steps)
+            while True:
+                tokens = steps.send(self.cursor.extend(tokens))
+        except StopIteration as done:
+            return done.value
+
+    def draft_steps(
+        self,
+        transcript: Sequence[int],
+        state: Mt19937,
+        depth: int,
+        stop: threading.Event | None = None,
+    ) -> Steps[Draft]:
+        """`draft` as steps."""
         self._restore()
-        return self._draft(transcript, state, depth, stop)
+        return (yield from self._draft(transcript, state, depth, stop))
 
     def _draft(
         self, transcript: Sequence[int], state: Mt19937, depth: int, stop: threading.Event | None
-    ) -> Draft:
+    ) -> Steps[Draft]:
         if depth == 0:
             return Draft([], [])
         rng = state.copy()
-        row = self.cursor.sync(transcript)
+        todo = self.cursor.prepare(transcript)
+        row = (yield todo)[-1] if todo else self.cursor.last_row
         drafts: list[int] = []
         q_rows: list[SparseRow] = []
         for i in range(depth):
@@ -97,7 +136,7 @@ class Drafter:
             if i + 1 < depth:
                 if stop is not None and stop.is_set():
                     raise Stopped
-                row = self.cursor.extend([token])[-1]
+                row = (yield [token])[-1]
         return Draft(drafts, q_rows)
 
     def speculate(
@@ -113,12 +152,26 @@ class Drafter:
         guess that it is fully accepted. Call right after `draft` returned `current`; None
         when the cursor no longer stands where that draft left it (another session drafted
         in between) or the round drafts nothing."""
+        return self.run(
+            self.speculate_steps(transcript, state, current, next_depth, stop_tokens, stop)
+        )
+
+    def speculate_steps(
+        self,
+        transcript: Sequence[int],
+        state: Mt19937,
+        current: Draft,
+        next_depth: int,
+        stop_tokens: Sequence[int],
+        stop: threading.Event | None = None,
+    ) -> Steps[Speculation | None]:
+        """`speculate` as steps."""
         depth = len(current.drafts)
         held = [*transcript, *current.drafts[:-1]]
         if depth == 0 or not self.cursor.holds(held) or self.cursor.last_row is None:
             return None
         self._checkpoint = _Checkpoint(len(held), self.cursor.last_row)
-        row = self.cursor.extend([current.drafts[-1]])[-1]
+        row = (yield [current.drafts[-1]])[-1]
         q = draft_row(row, self.params, self.q_top_k)
         if self.params.greedy:
             bonus = int(q.ids[argmax_lowest(q.weights)])
@@ -131,7 +184,7 @@ class Drafter:
         post = advance(state, draws_for_round(depth, depth, self.params.greedy))
         try:
             self._rewind()  # the draft below must start where a post-result draft starts
-            proposal = self._draft([*transcript, *emitted], post, next_depth, stop)
+            proposal = yield from self._draft([*transcript, *emitted], post, next_depth, stop)
         except Stopped:
             return Speculation(emitted, next_depth, None)
         return Speculation(emitted, next_depth, proposal)
@@ -150,3 +203,61 @@ class Drafter:
         """Put the cursor back where the last real draft left it (after a missed guess)."""
         self._rewind()
         self._checkpoint = None
+
+
+def run_together(
+    backend: MultiSequenceBackend, work: Sequence[tuple[KvCursor, Steps]]
+) -> list[object]:
+    """Drive every `(cursor, steps)` of `work` in lockstep: each round of steps gets its
+    rows from one `backend.evaluate_batch` over the cursors' sequences (ragged: each asks
+    for its own tokens after its own KV). Returns each steps' result, or the exception that
+    ended it; one failing never stops or corrupts the others."""
+    out: list[object] = [None] * len(work)
+    asks: dict[int, list[int]] = {}
+
+    def step(i: int, rows: np.ndarray | BaseException | None) -> None:
+        steps = work[i][1]
+        try:
+            if rows is None:
+                asks[i] = next(steps)
+            elif isinstance(rows, BaseException):
+                asks[i] = steps.throw(rows)  # raised where the lone run's extend would raise
+            else:
+                asks[i] = steps.send(rows)
+        except StopIteration as done:
+            out[i] = done.value
+            asks.pop(i, None)
+        except Exception as exc:  # this session's failure is its own: reported, not spread
+            out[i] = exc
+            asks.pop(i, None)
+
+    for i in range(len(work)):
+        step(i, None)
+    while asks:
+        rows = _evaluate_together(backend, {i: (work[i][0], asks[i]) for i in asks})
+        for i, got in rows.items():
+            step(i, got)
+    return out
+
+
+def _evaluate_together(
+    backend: MultiSequenceBackend, asks: dict[int, tuple[KvCursor, list[int]]]
+) -> dict[int, np.ndarray | Exception]:
+    """One forward for every cursor's tokens, recorded on each cursor. A forward refused for
+    one sequence (its context is full) is refused for all: then each is evaluated alone, so
+    only the one at fault fails."""
+    work = [(cursor.backend, tokens) for cursor, tokens in asks.values()]
+    try:
+        rows = backend.evaluate_batch(work)
+    except Exception:
+        out: dict[int, np.ndarray | Exception] = {}
+        for i, (cursor, tokens) in asks.items():
+            cursor.realign()  # a sequence may keep what the failed forward appended
+            try:
+                out[i] = cursor.extend(tokens)
+            except Exception as exc:
+                out[i] = exc
+        return out
+    for (cursor, tokens), got in zip(asks.values(), rows, strict=True):
+        cursor.record(tokens, got)
+    return dict(zip(asks, rows, strict=True))

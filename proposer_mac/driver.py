@@ -1,7 +1,8 @@
 """The round driver: one task per session, drafting, journaling and committing rounds.
 
 Per round (DESIGN.md §5, the proposer's steps):
-  1. draft (in the single draft thread: the draft backend is shared by all sessions);
+  1. draft (in the single draft thread, `DraftQueue`: rounds of several sessions waiting there
+     together are drafted in lockstep, one batched forward per draft step);
   2. PREPARED(session, r, signed request) appended and fsynced;
   3. send; on `LinkDown` reconnect with backoff and re-send the same bytes;
   4. check the signed result (enrolled verifier key, head chain, MT state, transcript);
@@ -16,20 +17,21 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from muser import logs
+from muser.backend import MultiSequenceBackend
 from muser.records import close_message, tokens_bytes
-from muser.stats import LaneStats
+from muser.stats import DraftingStats, LaneStats
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
-from proposer_mac.drafting import Draft, Drafter
+from proposer_mac.drafting import Draft, Drafter, Steps, run_together
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
@@ -120,13 +122,8 @@ class SessionRunner:
         """Draft the next round in the draft thread; returns (proposal, seconds)."""
         s = self.session
         depth = s.width.choose(s.params.max_tokens - len(s.emitted))
-        transcript, state = list(s.transcript), s.state
-
-        def work():
-            t0 = time.perf_counter()
-            return self.drafter.draft(transcript, state, depth), time.perf_counter() - t0
-
-        return asyncio.get_running_loop().run_in_executor(self.core.draft_pool, work)
+        steps = self.drafter.draft_steps(list(s.transcript), s.state, depth)
+        return self.core.drafts.submit(self.drafter, steps)
 
     def _start_speculation(self, proposal: Draft) -> Speculating | None:
         """Draft the round after this one, guessing it is fully accepted (see drafting.py),
@@ -136,17 +133,11 @@ class SessionRunner:
         if not self.core.speculate or not proposal.drafts or remaining < 1:
             return None
         depth = s.width.peek(len(proposal.drafts), remaining)
-        transcript, state, stop = list(s.transcript), s.state, threading.Event()
-
-        def work():
-            t0 = time.perf_counter()
-            spec = self.drafter.speculate(
-                transcript, state, proposal, depth, s.params.stop_tokens, stop
-            )
-            return spec, time.perf_counter() - t0
-
-        future = asyncio.get_running_loop().run_in_executor(self.core.draft_pool, work)
-        return Speculating(future, stop, proposal.drafts)
+        stop = threading.Event()
+        steps = self.drafter.speculate_steps(
+            list(s.transcript), s.state, proposal, depth, s.params.stop_tokens, stop
+        )
+        return Speculating(self.core.drafts.submit(self.drafter, steps), stop, proposal.drafts)
 
     async def _next_draft(self, speculation: Speculating | None, tokens: list[int]):
         """The next round's draft (a future of (proposal, seconds)): the speculative one when
@@ -275,8 +266,78 @@ class SessionRunner:
         await core.close_remote(s)
 
 
+@dataclass(frozen=True)
+class _Job:
+    drafter: Drafter
+    steps: Steps
+    future: Future
+
+
+class DraftQueue:
+    """The draft thread: drafts and speculations of every session, drafted in lockstep when
+    several wait at once.
+
+    A submitted job waits in a list and a drain is queued on the one-worker pool; a drain
+    takes everything waiting, so jobs that arrive while the thread is busy are drafted
+    together by the next one (no timer: nothing waits for company). With `batch_with` (the
+    draft backend whose sequences the sessions draft on, lane.draft_batch) a group of two or
+    more runs through `run_together`; a job alone, or every job without it, runs through
+    its drafter's own cursor, the path of the local lane."""
+
+    def __init__(
+        self, pool: ThreadPoolExecutor, batch_with: MultiSequenceBackend | None = None
+    ) -> None:
+        self.pool, self.batch_with = pool, batch_with
+        self.stats = DraftingStats()
+        self._waiting: list[_Job] = []
+        self._lock = threading.Lock()
+
+    @property
+    def waiting(self) -> int:
+        """Rounds submitted and not yet taken by the draft thread."""
+        with self._lock:
+            return len(self._waiting)
+
+    def submit(self, drafter: Drafter, steps: Steps) -> asyncio.Future:
+        """Run `steps` in the draft thread; a future of (result, seconds). The seconds are
+        the wall of the group it was drafted in: what this round waited for its draft."""
+        job = _Job(drafter, steps, Future())
+        with self._lock:
+            self._waiting.append(job)
+        self.pool.submit(self._drain)
+        return asyncio.wrap_future(job.future)
+
+    def _drain(self) -> None:
+        with self._lock:
+            jobs, self._waiting = self._waiting, []
+        jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        together = self.batch_with is not None and len(jobs) > 1
+        for group in [jobs] if together else [[j] for j in jobs]:
+            t0 = time.perf_counter()
+            if len(group) > 1:
+                work = [(j.drafter.cursor, j.steps) for j in group]
+                results = run_together(self.batch_with, work)
+            else:
+                results = [_run_alone(group[0])]
+            seconds = time.perf_counter() - t0
+            self.stats.observe_batch(len(group))
+            for job, result in zip(group, results, strict=True):
+                if isinstance(result, BaseException):
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result((result, seconds))
+
+
+def _run_alone(job: _Job) -> object:
+    try:
+        return job.drafter.run(job.steps)
+    except Exception as exc:  # handed to the session that submitted it
+        return exc
+
+
 class DriverContext:
-    """What every session runner shares: keys, the journal, the verifier channel."""
+    """What every session runner shares: keys, the journal, the verifier channel, the
+    draft thread."""
 
     def __init__(
         self,
@@ -286,12 +347,14 @@ class DriverContext:
         log,
         channel: grpc.aio.Channel,
         speculate: bool = True,
+        batch_with: MultiSequenceBackend | None = None,
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
         self.speculate = speculate
         """Draft round r+1 while round r is at the verifier (lane.speculate)."""
         self.stub = pb_grpc.VerifierStub(channel)
         self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self.drafts = DraftQueue(self.draft_pool, batch_with)
 
     async def open_remote(self, s: ProposerSession) -> None:
         """Open (or idempotently re-open) the session on the verifier."""

@@ -1,13 +1,17 @@
 """The local lane: draft and target in one process, the exact round and RNG protocol of
 DESIGN.md §4 (the cluster lane runs the same rounds across the wire and must emit the same
-tokens for the same seed)."""
+tokens for the same seed).
+
+A draft that batches (torch, `muser.backend.batches`) drafts on a sequence of its own, the
+KV a cluster session drafts on under lane.draft_batch: a session drafting alone there runs
+this very path, so its sampled text equals this lane's bit for bit."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 
-from muser.backend import ModelBackend
+from muser.backend import ModelBackend, batches
 from muser.generation import GenerationResult
 from muser.mt19937 import Mt19937
 from muser.round import clip_emission
@@ -39,7 +43,7 @@ def run_local(
         raise ValueError(f"draft_len must be >= 0, got {draft_len}")
     width = FixedWidth(draft_len) if width is None else width
     stats = LaneStats()
-    drafter = Drafter(draft, params, q_top_k)
+    drafter = Drafter(draft.sequence() if batches(draft) else draft, params, q_top_k)
     executor = TargetExecutor(target)
     rng = Mt19937.from_seed(params.seed)
     transcript = [int(t) for t in prompt]

@@ -39,6 +39,9 @@ width = "adaptive"
 # tokens a draftless round (D = 0) asks the verifier to decode itself
 decode_len = 8
 q_top_k = 32
+# draft the rounds of concurrent sessions together, one batched draft forward per step
+# (torch drafts; mlx and windowed drafts draft each session alone)
+draft_batch = true
 # `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
 receipt = "qualification.json"
 acceptance_floor = 0.25
