@@ -36,6 +36,10 @@ Verifier only (rounds of many sessions batched into one target forward):
     muser_kv_sessions                       gauge      sessions holding target KV now
     muser_kv_evictions_total                counter    sessions' KV dropped (kv_sessions cap)
     muser_kv_rebuilt_tokens_total           counter    transcript tokens re-evaluated
+
+Proposer only (rounds of many sessions drafted together, lane.draft_batch):
+
+    muser_draft_batch_size                  histogram  rounds drafted per lockstep draft batch
 """
 
 from __future__ import annotations
@@ -55,7 +59,14 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from muser.stats import RATE_WINDOW_S, DaemonStats, Histogram, LaneStats, VerifierStats
+from muser.stats import (
+    RATE_WINDOW_S,
+    DaemonStats,
+    DraftingStats,
+    Histogram,
+    LaneStats,
+    VerifierStats,
+)
 
 TOKENS_PER_ROUND_BUCKETS = (*range(1, 17), 24, 32, 48, 65)
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -85,6 +96,8 @@ class DaemonView:
     """Rounds waiting for the target now (verifier)."""
     kv_sessions: int | None = None
     """Sessions holding target KV now (verifier)."""
+    drafting: DraftingStats | None = None
+    """The proposer's draft thread (None on the verifier)."""
 
 
 def wal_bytes(directory: Path | None) -> int | None:
@@ -162,15 +175,21 @@ def _tokens_per_round(lane: LaneStats) -> HistogramMetricFamily:
     return family
 
 
-def _batch_sizes(stats: VerifierStats) -> HistogramMetricFamily:
-    family = HistogramMetricFamily("muser_batch_size", "Rounds evaluated per target forward.")
-    counts = sorted(stats.batch_sizes.items())
+def _size_histogram(name: str, doc: str, sizes: dict[int, int]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc)
+    counts = sorted(sizes.items())
     buckets = [
         (floatToGoString(b), float(sum(n for k, n in counts if k <= b))) for b in BATCH_SIZE_BUCKETS
     ]
-    buckets.append(("+Inf", float(stats.batches)))
+    buckets.append(("+Inf", float(sum(sizes.values()))))
     family.add_metric([], buckets, float(sum(k * n for k, n in counts)))
     return family
+
+
+def _batch_sizes(stats: VerifierStats) -> HistogramMetricFamily:
+    return _size_histogram(
+        "muser_batch_size", "Rounds evaluated per target forward.", stats.batch_sizes
+    )
 
 
 def _verifier_families(v: DaemonView) -> Iterator[Metric]:
@@ -295,6 +314,12 @@ class StatsCollector(Collector):
                 "muser_retries", "Retries answered with the committed result.", value=v.retries
             )
         yield from _verifier_families(v)
+        if v.drafting is not None:
+            yield _size_histogram(
+                "muser_draft_batch_size",
+                "Rounds of concurrent sessions drafted per lockstep draft batch.",
+                v.drafting.snapshot(),
+            )
 
 
 def registry(view: Callable[[], DaemonView]) -> CollectorRegistry:

@@ -295,10 +295,14 @@ class DraftingStats:
         with self._lock:
             self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
 
+    def snapshot(self) -> dict[int, int]:
+        """Batch size -> batches, as of now."""
+        with self._lock:
+            return dict(self.batch_sizes)
+
     def to_dict(self) -> dict[str, int]:
         """The histogram with string keys, as the status JSON carries it."""
-        with self._lock:
-            return {str(k): n for k, n in sorted(self.batch_sizes.items())}
+        return {str(k): n for k, n in sorted(self.snapshot().items())}
 
 
 @dataclass

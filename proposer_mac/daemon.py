@@ -278,6 +278,7 @@ def metrics_view(core: ProposerCore) -> DaemonView:
         open_sessions=sum(1 for r in runners if not r.session.done),
         wal_dir=core.log.directory,
         now=core.stats.clock(),
+        drafting=core.context.drafts.stats,
     )
 
 

@@ -9,7 +9,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from muser.metrics import DaemonView, exposition, status_fields, tokens_per_s, wal_bytes
-from muser.stats import RATE_WINDOW_S, DaemonStats, Histogram, LaneStats, VerifierStats
+from muser.stats import (
+    RATE_WINDOW_S,
+    DaemonStats,
+    DraftingStats,
+    Histogram,
+    LaneStats,
+    VerifierStats,
+)
 
 
 class Clock:
@@ -183,6 +190,26 @@ def test_proposer_exposition_has_every_phase_and_no_retries(tmp_path):
     assert not any(name == "muser_retries_total" for name, _ in got)
     assert got[("muser_wal_bytes", ())] == 0.0
     assert got[("muser_wal_fsync_seconds_count", ())] == 0.0
+
+
+def test_proposer_exports_its_draft_batch_sizes(tmp_path):
+    lane, drafting = LaneStats(), DraftingStats()
+    for size in (1, 1, 3, 8):
+        drafting.observe_batch(size)
+    view = DaemonView(
+        "proposer", "p", lane, DaemonStats(), 1, 0, tmp_path, lane.clock(), drafting=drafting
+    )
+    got = samples(exposition(lambda: view))
+    bucket = lambda le: got[("muser_draft_batch_size_bucket", (("le", le),))]  # noqa: E731
+    assert (bucket("1.0"), bucket("2.0"), bucket("4.0"), bucket("8.0"), bucket("+Inf")) == (
+        2.0, 2.0, 3.0, 4.0, 4.0,
+    )  # fmt: skip
+    assert got[("muser_draft_batch_size_sum", ())] == 13.0
+    assert got[("muser_draft_batch_size_count", ())] == 4.0
+    verifier = DaemonView("verifier", "v", lane, DaemonStats(), 1, 0, tmp_path, lane.clock())
+    assert not any(
+        n.startswith("muser_draft_batch") for n, _ in samples(exposition(lambda: verifier))
+    )
 
 
 def test_status_fields(known):
