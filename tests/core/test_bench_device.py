@@ -45,3 +45,41 @@ def test_a_file_without_the_torch_backend_line_is_refused():
     text = '[verifier]\nbackend = "vllm"\n\n[proposer]\nbackend = "torch"\n'
     with pytest.raises(ValueError, match=r"no torch backend line in the \[verifier\] section"):
         with_target_device(text, "cuda")
+
+
+def test_the_sessions_suite_runs_its_sessions_adaptive_with_a_draft_range(
+    tmp_path, monkeypatch, capsys
+):
+    """`--suite sessions --draft-range LO:HI`: the cluster is built with that range and the
+    sessions run on its adaptive lane (sessions that ask for no D), as the receipt says."""
+    import contextlib
+    import json
+
+    import muser.bench_cluster
+    from muser.benchmark import Sample
+
+    built, used = {}, []
+
+    def lane(name):
+        def run(prompt, max_tokens):
+            used.append(name)
+            return Sample(name, 0, 0, [1] * max_tokens, 0.01, 4, 2, 2, {})
+
+        return run
+
+    @contextlib.contextmanager
+    def fake_cluster(target, draft, params, **kw):
+        built.update(kw)
+        yield {"cluster@0ms": lane("fixed"), "cluster@0ms-adaptive": lane("adaptive")}
+
+    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
+    receipt = tmp_path / "r.json"
+    args = ["bench", "--suite", "sessions", "--sessions", "1,2", "--temperature", "1"]
+    code = main([*args, "--max-tokens", "3", "--repeats", "1", "--draft-range", "0:8",
+                 "--receipt", str(receipt)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert built["draft_range"] == (0, 8) and set(used) == {"adaptive"}
+    assert json.loads(receipt.read_text())["meta"]["draft_range"] == [0, 8]
+    used.clear()
+    code = main([*args, "--max-tokens", "3", "--repeats", "1", "--receipt", str(receipt)])
+    assert code == 0 and built["draft_range"] is None and set(used) == {"fixed"}
