@@ -90,6 +90,12 @@ def _bytes(n: int | None) -> str:
     return f"{size:.1f} GiB"
 
 
+def _sizes(histogram: dict | None) -> str:
+    """{"1": 115, "2": 14} as "1×115 2×14" (batch size × batches)."""
+    items = sorted((int(k), n) for k, n in (histogram or {}).items())
+    return " ".join(f"{k}×{n}" for k, n in items) or "-"
+
+
 def summary(status: dict) -> list[str]:
     """The human lines of one daemon's Status JSON."""
     if not status:
@@ -110,6 +116,17 @@ def summary(status: dict) -> list[str]:
         lines.append(f"draft on {status['draft_device']}")
     if (status.get("target") or {}).get("device"):
         lines.append(f"target on {status['target']['device']}")
+    batching, drafting = status.get("batching") or {}, status.get("drafting") or {}
+    if batching.get("batches"):
+        lines.append(
+            f"target batches {batching['batches']} (mean {batching.get('mean_batch', 0):.2f} "
+            f"rounds, sizes {_sizes(batching.get('batch_sizes'))})  queue now "
+            f"{batching.get('queue_depth', 0)}, max {batching.get('queue_depth_max', 0)}, "
+            f"refused full {batching.get('queue_full', 0)}"
+        )
+    if drafting.get("batch_sizes"):
+        state = "on" if drafting.get("batch") else "off (lane.draft_batch)"
+        lines.append(f"draft batches {state}: sizes {_sizes(drafting['batch_sizes'])}")
     if status.get("verifier_ceiling_tok_s") is not None:
         lines.append(f"verifier-only ceiling {status['verifier_ceiling_tok_s']:.1f} tokens/s")
     if refusals:

@@ -1,0 +1,25 @@
+"""`muser status` text: the batching lines of each daemon, from its Status JSON."""
+
+from __future__ import annotations
+
+from muser.cli.status import summary
+
+
+def test_the_verifier_shows_its_target_batches_and_queue():
+    status = {
+        "batching": {"batches": 5, "mean_batch": 1.6, "batch_sizes": {"1": 3, "2": 1, "3": 1},
+                     "queue_depth": 0, "queue_depth_max": 4, "queue_full": 2},
+    }  # fmt: skip
+    assert (
+        "target batches 5 (mean 1.60 rounds, sizes 1×3 2×1 3×1)  queue now 0, max 4, "
+        "refused full 2"
+    ) in summary(status)
+
+
+def test_the_proposer_shows_its_draft_batches_and_whether_they_are_on():
+    on = {"drafting": {"batch": True, "batch_sizes": {"8": 2, "1": 40}, "waiting": 0}}
+    off = {"drafting": {"batch": False, "batch_sizes": {"1": 9}, "waiting": 0}}
+    assert "draft batches on: sizes 1×40 8×2" in summary(on)
+    assert "draft batches off (lane.draft_batch): sizes 1×9" in summary(off)
+    idle = summary({"drafting": {"batch": True, "batch_sizes": {}}, "batching": {"batches": 0}})
+    assert not any("batches" in line for line in idle)
