@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from muser.backend import ModelBackend
+from muser.backend import ModelBackend, batches
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, target_probs
 from muser.verify import RoundDecision, judge_round
@@ -96,7 +96,14 @@ def decode_batch(
 ) -> list[Decoded | Exception]:
     """`decode_round` of each (executor, transcript, state, decode_len, params), in lockstep:
     one `witness_batch` forward per step over the rounds still decoding. A round that fails
-    (its forward, its row) gets its exception in its place; the others go on without it."""
+    (its forward, its row) gets its exception in its place; the others go on without it.
+
+    Lockstep needs each round on a sequence of its own: on one shared KV (a backend that does
+    not batch, a sliding-window model) interleaved steps would re-evaluate every transcript
+    at every step, so there the rounds run one after another, each to its end."""
+    own = batches(backend) and all(args[0].cursor.backend is not backend for args in work)
+    if len(work) > 1 and not own:
+        return [decode_batch(backend, [args])[0] for args in work]
     out: list[Decoded | Exception | None] = [None] * len(work)
     rounds: dict[int, _Decoding] = {}
     for i, args in enumerate(work):

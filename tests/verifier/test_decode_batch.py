@@ -57,6 +57,20 @@ def test_a_stop_token_ends_only_its_own_round():
         assert_same(g, alone(FakeBackend, p, Mt19937.from_seed(i), 8, params))
 
 
+def test_on_one_shared_kv_the_rounds_run_one_after_another():
+    """A target that keeps one KV (no per-session sequences): each round decodes to its end
+    before the next starts, so no transcript is re-evaluated between two steps."""
+    shared = FakeBackend()
+    lengths = [8, 5, 8, 3]
+    work = [(TargetExecutor(shared), p, Mt19937.from_seed(i), k, SAMPLED)
+            for i, (p, k) in enumerate(zip(PROMPTS, lengths, strict=True))]  # fmt: skip
+    got = decode_batch(shared, work)
+    for i, (g, p, k) in enumerate(zip(got, PROMPTS, lengths, strict=True)):
+        assert_same(g, alone(FakeBackend, p, Mt19937.from_seed(i), k, SAMPLED))
+    # each round: its transcript once (no shared prefix between these prompts), one token a step
+    assert shared.evaluated == sum(len(p) - 1 + k for p, k in zip(PROMPTS, lengths, strict=True))
+
+
 class Failing(FakeBackend):
     """Refuses its `fail_at`-th evaluate call (and every later one when `stays`)."""
 
