@@ -22,7 +22,7 @@ from muser.stats import VerifierStats
 from muser.verify import RoundDecision, judge_round
 from verifier_gx.admission import capture_fragment
 from verifier_gx.decode import decode_batch, decode_decision
-from verifier_gx.executor import witness_batch
+from verifier_gx.executor import witness_each
 from verifier_gx.journal import SessionState
 from verifier_gx.kvpool import KvPool
 
@@ -131,14 +131,11 @@ class RoundComputer:
                 out[i] = exc
         self._decode_batch(jobs, executors, decoding, out)
         rounds = [(executors[i], jobs[i].state.transcript, jobs[i].request.drafts) for i in batched]
-        try:
-            logits.update(zip(batched, witness_batch(self.backend, rounds), strict=True))
-        except Exception:  # one round's failure must not fail the others: run them alone
-            for i, r in zip(batched, rounds, strict=True):
-                try:
-                    logits[i] = witness_batch(self.backend, [r])[0]
-                except Exception as exc:
-                    out[i] = exc
+        for i, got in zip(batched, witness_each(self.backend, rounds), strict=True):
+            if isinstance(got, Exception):
+                out[i] = got
+            else:
+                logits[i] = got
         for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
             if out[i] is not None:
                 continue

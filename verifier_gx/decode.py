@@ -8,7 +8,7 @@ the wire, the WAL commit and the signatures are paid once per k tokens instead o
 token, and the local lane (which runs the same function) emits the same text.
 
 `decode_batch` runs the decode rounds of several sessions in lockstep: step i of every round
-still decoding goes through one forward (`witness_batch`), so n sessions' k-token rounds cost
+still decoding goes through one forward (`witness_each`), so n sessions' k-token rounds cost
 k forwards rather than n × k. Each round's rows, draws and tokens are computed exactly as
 `decode_round` computes them alone (a batched forward's rows are those of the backend's
 batched path, as for rounds with drafts).
@@ -25,7 +25,7 @@ from muser.backend import ModelBackend, batches
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, target_probs
 from muser.verify import RoundDecision, judge_round
-from verifier_gx.executor import TargetExecutor, witness_batch
+from verifier_gx.executor import TargetExecutor, witness_each
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def decode_batch(
     work: Sequence[tuple[TargetExecutor, Sequence[int], Mt19937, int, SamplingParams]],
 ) -> list[Decoded | Exception]:
     """`decode_round` of each (executor, transcript, state, decode_len, params), in lockstep:
-    one `witness_batch` forward per step over the rounds still decoding. A round that fails
+    one `witness_each` forward per step over the rounds still decoding. A round that fails
     (its forward, its row) gets its exception in its place; the others go on without it.
 
     Lockstep needs each round on a sequence of its own: on one shared KV (a backend that does
@@ -114,16 +114,7 @@ def decode_batch(
     while rounds:
         live = list(rounds)
         steps = [(rounds[i].executor, rounds[i].sequence, ()) for i in live]
-        try:
-            rows: list[np.ndarray | Exception] = list(witness_batch(backend, steps))
-        except Exception:  # one round's failure must not fail the others: run them alone
-            rows = []
-            for step in steps:
-                try:
-                    rows.append(witness_batch(backend, [step])[0])
-                except Exception as exc:
-                    rows.append(exc)
-        for i, logits in zip(live, rows, strict=True):
+        for i, logits in zip(live, witness_each(backend, steps), strict=True):
             try:
                 if isinstance(logits, Exception):
                     raise logits

@@ -61,3 +61,21 @@ def witness_batch(
     for (ex, _, _), (_, tokens), r in zip(rounds, work, rows, strict=True):
         ex.cursor.record(tokens, r)
     return rows
+
+
+def witness_each(
+    backend: ModelBackend, rounds: Sequence[tuple[TargetExecutor, Sequence[int], Sequence[int]]]
+) -> list[np.ndarray | Exception]:
+    """`witness_batch`, but one round's failure does not fail the others: when the batch is
+    refused, each round runs alone and a round that still fails gets its exception in its
+    place."""
+    try:
+        return list(witness_batch(backend, rounds))
+    except Exception:
+        out: list[np.ndarray | Exception] = []
+        for r in rounds:
+            try:
+                out.append(witness_batch(backend, [r])[0])
+            except Exception as exc:
+                out.append(exc)
+        return out
