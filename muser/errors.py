@@ -157,6 +157,12 @@ class FragmentMismatchError(RefusedError):
     """A well-formed fragment whose content disagrees with the committed session."""
 
 
+class ResumeMismatchError(RefusedError):
+    """A resume point (the last committed round an open carries) that does not belong to the
+    session being opened: another session's round, an epoch ahead of the open's, a head that
+    is not its own record's hash, a finished session."""
+
+
 class DraftOverrunError(RoundValidationError):
     """More drafts than the session may still emit (a round emits up to D + 1 tokens)."""
 

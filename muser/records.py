@@ -139,10 +139,15 @@ class SessionOpen:
     def genesis_head(self) -> bytes:
         return sha256(self.encode())
 
-    def signed_message(self, epoch: int) -> bytes:
+    def signed_message(self, epoch: int, resume: bytes = b"") -> bytes:
         """What the proposer signs to open (or re-open) the session at `epoch`: the epoch is
-        covered, so a captured open cannot be replayed to fence the session higher."""
-        return Writer("session-open-at-epoch").blob(self.encode()).u64(epoch).bytes()
+        covered, so a captured open cannot be replayed to fence the session higher. With
+        `resume` (the Signed(RoundResult) bytes of the round it resumes after) its digest is
+        covered too, so a captured resume cannot be replayed to move the session elsewhere."""
+        if not resume:
+            return Writer("session-open-at-epoch").blob(self.encode()).u64(epoch).bytes()
+        w = Writer("session-resume-at-epoch").blob(self.encode()).u64(epoch)
+        return w.raw(sha256(resume), 32).bytes()
 
 
 def close_message(session_id: bytes, epoch: int) -> bytes:

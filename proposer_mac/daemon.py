@@ -133,6 +133,7 @@ class ProposerCore:
             for signed in js.committed:
                 result = RoundResult.decode(signed.body)
                 session.apply(result)
+                session.last_result = signed
                 session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
             session.prepared = js.prepared
             session.done = session.done or js.done

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from muser import logs
 from muser.backend import MultiSequenceBackend
-from muser.records import close_message, tokens_bytes
+from muser.records import close_message
 from muser.stats import DraftingStats, LaneStats
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -227,6 +227,7 @@ class SessionRunner:
             backoff = 0.05
             result = s.check_result(s.prepared, signed, core.verifiers)
             tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
+            s.last_result = signed  # the resume point once COMMITTED is durable (awaited below)
             s.width.observe(
                 len(result.drafts),
                 result.accepted,
@@ -357,20 +358,24 @@ class DriverContext:
         self.drafts = DraftQueue(self.draft_pool, batch_with)
 
     async def open_remote(self, s: ProposerSession) -> None:
-        """Open (or idempotently re-open) the session on the verifier."""
-        body = s.open.signed_message(s.epoch)
+        """Open (or idempotently re-open) the session on the verifier; past genesis the open
+        carries the last committed round, so a verifier without it resumes from it."""
+        resume, chunks, fragments = s.resume_point()
+        body = s.open.signed_message(s.epoch, resume)
         request = convert.open_to_pb(
-            s.open,
-            s.epoch,
-            self.private.sign(body),
-            {s.open.prompt_digest: tokens_bytes(s.prompt)},
+            s.open, s.epoch, self.private.sign(body), fragments, resume, chunks
         )
         try:
-            await self.stub.OpenSession(request, wait_for_ready=True, timeout=30)
+            reply = await self.stub.OpenSession(request, wait_for_ready=True, timeout=30)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise LinkDown(f"open session: {exc.code().name}: {exc.details()}") from exc
             raise RoundRefused(exc.code(), "open", exc.details() or "") from exc
+        if reply.resumed:
+            log.warning(
+                "session %s: verifier %s did not hold round %d; it resumed from this proposer's "
+                "signed round", s.session_id.hex()[:8], reply.verifier_key_id, s.next_round - 1,
+            )  # fmt: skip
 
     async def close_remote(self, s: ProposerSession) -> None:
         """Tell the verifier the session is finished so it stops holding it (best effort:

@@ -59,6 +59,10 @@ class ProposerSession:
     next_round: int = 0
     done: bool = False
     prepared: Signed | None = None
+    last_result: Signed | None = None
+    """The last round's signed result, once COMMITTED is journaled: the resume point an open
+    carries, so a verifier that does not hold it (another node, a lost commit log) can go on
+    from it."""
     _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
     """The last result check_result passed and the MT state after it."""
 
@@ -116,6 +120,16 @@ class ProposerSession:
         out[state_digest(self.state)] = self.state.to_bytes()
         out[self.open.prompt_digest] = tokens_bytes(self.prompt)
         return out
+
+    def resume_point(self) -> tuple[bytes, tuple[bytes, ...], dict[bytes, bytes]]:
+        """What an open carries to resume after the last committed round: its signed result,
+        the transcript's chunk digests in order, and the fragments (chunks, MT state,
+        prompt). At genesis: nothing but the prompt."""
+        prompt = {self.open.prompt_digest: tokens_bytes(self.prompt)}
+        if self.last_result is None:
+            return b"", (), prompt
+        chunks = tuple(sha256(c) for c in transcript_chunks(self.transcript))
+        return self.last_result.encode(), chunks, self.fragments()
 
     def build_request(
         self,

@@ -89,8 +89,9 @@ class VerifierServer(grpc.aio.Server):
 
 
 def load_keys(config: ClusterConfig):
-    """The verifier's signing key (checked against its public key file) and the enrolled
-    proposer keys by key id."""
+    """The verifier's signing key (checked against its public key file), the enrolled
+    proposer keys and the enrolled verifier keys (resume points they signed are taken), by
+    key id."""
     private = keys.load_private(config.verifier.key)
     public = keys.load_public(config.verifier.public_key)
     raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
@@ -100,11 +101,9 @@ def load_keys(config: ClusterConfig):
             f"not the public half of verifier.key {config.verifier.key} "
             f"(key {keys.key_id(private.public_key())})"
         )
-    proposers = {}
-    for path in config.enrolment.proposers:
-        key = keys.load_public(path)
-        proposers[keys.key_id(key)] = key
-    return private, proposers
+    proposers = {keys.key_id(k): k for k in map(keys.load_public, config.enrolment.proposers)}
+    verifiers = {keys.key_id(k): k for k in map(keys.load_public, config.enrolment.verifiers)}
+    return private, proposers, verifiers
 
 
 def create_server(
@@ -122,7 +121,7 @@ def create_server(
     QualificationError before the target loads and before the port is bound (DESIGN.md §7).
     `unqualified="why"` skips that check, logged as a warning: tests that drive a fake or
     tiny random target pass it; `serve` never does."""
-    private, proposers = load_keys(config)
+    private, proposers, verifiers = load_keys(config)
     qualified_draft = None
     if unqualified is None:
         qualified_draft = _qualified_draft(config)
@@ -144,6 +143,7 @@ def create_server(
             backend=backend,
             signing_key=private,
             proposer_keys=proposers,
+            verifier_keys=verifiers,
             limits=config.limits,
             clock=clock,
             qualified_draft=qualified_draft,

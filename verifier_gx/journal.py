@@ -7,12 +7,22 @@ Entries are canonical (muser.canonical, domain "verifier-journal"), a u32 tag fi
               so a retry gets the same bytes back
     EPOCH  3  session id (16 bytes), new epoch u64 — a higher epoch fenced the old one
     CLOSE  4  session id (16 bytes)
+    RESUME 5  SessionOpen bytes, epoch u64, prompt token ids u32s, proposer signature blob,
+              Signed(RoundResult) bytes of the round the session resumes after (signed by an
+              enrolled verifier, this one or another), the MT19937 state after that round
+              (blob), the transcript after the prompt up to that round (u32s)
 
 `Replay` applies entries in order and checks every ROUND against the state the entries
 before it imply: round index, epoch, prev_head → head (head = H(prev_head ‖ round record),
 starting at the genesis head of OPEN), the post-round MT19937 state digest (pre-round state
 advanced by `draws_for_round`) and the transcript digest. Daemon recovery and
 `muser wal verify` run this same code, so what one accepts the other accepts.
+
+RESUME starts (or moves) a session at a round committed elsewhere: a proposer whose last
+committed round this verifier does not hold (another node, a lost commit log) carries that
+signed round, the MT state and the transcript after it; `resumed_state` checks the signature
+against the enrolled verifier keys and the state and transcript against the round's digests,
+and the chain goes on from that round's head. The daemon and `wal verify` check it alike.
 
 The proposer signs `SessionOpen.signed_message(epoch)` to open (the epoch is covered, so a
 captured open cannot be replayed at a higher epoch to fence the session) and
@@ -28,7 +38,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
 from muser.canonical import CanonicalError, Reader, Writer
-from muser.errors import JournalError
+from muser.errors import (
+    FragmentMismatchError,
+    JournalError,
+    RefusedError,
+    ResumeMismatchError,
+    SessionFinishedError,
+    UnenrolledKeyError,
+)
 from muser.mt19937 import Mt19937
 from muser.records import (
     RoundResult,
@@ -45,7 +62,7 @@ from muser.round import clip_emission
 from muser.sampling import SamplingParams
 
 DOMAIN = "verifier-journal"
-OPEN, ROUND, EPOCH, CLOSE = 1, 2, 3, 4
+OPEN, ROUND, EPOCH, CLOSE, RESUME = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -78,7 +95,22 @@ class CloseEntry:
     session_id: bytes
 
 
-Entry = OpenEntry | RoundEntry | EpochEntry | CloseEntry
+@dataclass(frozen=True)
+class ResumeEntry:
+    open: SessionOpen
+    epoch: int
+    prompt: tuple[int, ...]
+    signature: bytes
+    """The proposer's, over `open.signed_message(epoch, resume)`."""
+    resume: bytes
+    """Signed(RoundResult) bytes of the round the session resumes after."""
+    mt: bytes
+    """The MT19937 state after that round (Mt19937.to_bytes)."""
+    generated: tuple[int, ...]
+    """The transcript after the prompt, up to and including that round's emission."""
+
+
+Entry = OpenEntry | RoundEntry | EpochEntry | CloseEntry | ResumeEntry
 
 
 def encode(entry: Entry) -> bytes:
@@ -92,6 +124,9 @@ def encode(entry: Entry) -> bytes:
         w.u32(EPOCH).raw(entry.session_id, 16).u64(entry.epoch)
     elif isinstance(entry, CloseEntry):
         w.u32(CLOSE).raw(entry.session_id, 16)
+    elif isinstance(entry, ResumeEntry):
+        w.u32(RESUME).blob(entry.open.encode()).u64(entry.epoch).u32s(entry.prompt)
+        w.blob(entry.signature).blob(entry.resume).blob(entry.mt).u32s(entry.generated)
     else:
         raise TypeError(f"not a verifier journal entry: {type(entry).__name__}")
     return w.bytes()
@@ -109,14 +144,54 @@ def decode(payload: bytes) -> Entry:
         entry = EpochEntry(r.raw(16), r.u64())
     elif tag == CLOSE:
         entry = CloseEntry(r.raw(16))
+    elif tag == RESUME:
+        open_, epoch, prompt = SessionOpen.decode(r.blob()), r.u64(), tuple(r.u32s())
+        entry = ResumeEntry(open_, epoch, prompt, r.blob(), r.blob(), r.blob(), tuple(r.u32s()))
     else:
-        raise CanonicalError(f"unknown verifier journal entry tag {tag} (expected 1..4)")
+        raise CanonicalError(f"unknown verifier journal entry tag {tag} (expected 1..5)")
     r.end()
     return entry
 
 
 def short(session_id: bytes) -> str:
     return session_id.hex()[:8]
+
+
+def resume_point(
+    open_: SessionOpen,
+    epoch: int,
+    resume: bytes,
+    verifier_keys: Mapping[str, Ed25519PublicKey] | None,
+) -> RoundResult:
+    """The round `resume` (Signed(RoundResult) bytes) carries, checked to be a round of this
+    session, at or below `epoch`, chained by its own head and signed by an enrolled verifier
+    (unless `verifier_keys` is None). CanonicalError on bytes that are not a signed result."""
+    signed = Signed.decode(resume)
+    result = RoundResult.decode(signed.body)
+    where = f"resume point (round {result.round})"
+    if verifier_keys is not None:
+        public = verifier_keys.get(result.verifier_key_id)
+        if public is None:
+            raise UnenrolledKeyError(
+                f"{where} signed by verifier key {result.verifier_key_id!r}, which is not "
+                f"enrolled; enrolled verifier keys: {sorted(verifier_keys)}"
+            )
+        keys.verify(public, signed.body, signed.signature, where)
+    sid = open_.session_id
+    if result.session_id != sid:
+        raise ResumeMismatchError(
+            f"{where} belongs to session {result.session_id.hex()}, not {sid.hex()}"
+        )
+    if result.epoch > epoch:
+        raise ResumeMismatchError(
+            f"{where} was committed at epoch {result.epoch}, after the open's epoch {epoch}"
+        )
+    if result.head != result.expected_head():
+        raise ResumeMismatchError(
+            f"{where} head {result.head.hex()} is not H(prev_head ‖ round record) "
+            f"= {result.expected_head().hex()}"
+        )
+    return result
 
 
 # --- session state ---------------------------------------------------------------------------
@@ -224,6 +299,53 @@ class SessionState:
         self.next_round += 1
         return emission.tokens
 
+    @classmethod
+    def resumed(
+        cls, entry: ResumeEntry, verifier_keys: Mapping[str, Ed25519PublicKey] | None
+    ) -> SessionState:
+        """The session at the round `entry` resumes after, every part of it checked against
+        that round as an enrolled verifier signed it (its signature too, unless
+        `verifier_keys` is None: a replay given no keys checks chains only). Raises the
+        refusal a live open maps to a status (the replay turns it into a JournalError);
+        CanonicalError on bytes that are not a signed round result."""
+        result = resume_point(entry.open, entry.epoch, entry.resume, verifier_keys)
+        sid, where = entry.open.session_id, f"resume point (round {result.round})"
+        transcript = [*entry.prompt, *entry.generated]
+        if transcript_digest(transcript) != result.transcript_digest:
+            raise FragmentMismatchError(
+                f"the transcript sent ({len(entry.prompt)} prompt + {len(entry.generated)} "
+                f"tokens) digests to {transcript_digest(transcript).hex()}; {where} committed "
+                f"{result.transcript_digest.hex()}"
+            )
+        try:
+            mt = Mt19937.from_bytes(entry.mt)
+        except ValueError as exc:
+            raise FragmentMismatchError(f"the MT19937 state sent is not a state: {exc}") from exc
+        if state_digest(mt) != result.post_state_digest:
+            raise FragmentMismatchError(
+                f"the MT19937 state sent digests to {state_digest(mt).hex()}; {where} "
+                f"committed {result.post_state_digest.hex()}"
+            )
+        params = entry.open.params
+        emission = clip_emission(entry.generated, 0, params.max_tokens, params.stop_tokens)
+        if emission.done:
+            raise SessionFinishedError(
+                f"session {short(sid)} finished at {where} ({len(emission.tokens)} tokens); "
+                "there is nothing to resume"
+            )
+        return cls(
+            entry.open,
+            entry.epoch,
+            list(entry.prompt),
+            entry.signature,
+            transcript,
+            result.head,
+            mt,
+            next_round=result.round + 1,
+            produced=len(entry.generated),
+            committed={result.round: (result.request_digest, entry.resume)},
+        )
+
     def summary(self) -> dict:
         return {
             "session": self.session_id.hex(),
@@ -271,6 +393,8 @@ class Replay:
             post = state.check_round(result, entry.request_digest)
             state.apply_round(result, entry.request_digest, entry.signed, post)
             return state
+        if isinstance(entry, ResumeEntry):
+            return self._resume(entry)
         if isinstance(entry, EpochEntry):
             state = self.session(entry.session_id, "EPOCH")
             if entry.epoch <= state.epoch:
@@ -296,6 +420,28 @@ class Replay:
             signed = Signed(entry.open.signed_message(entry.epoch), entry.signature)
             _check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "open")
         state = SessionState.fresh(entry)
+        self.sessions[sid] = state
+        return state
+
+    def _resume(self, entry: ResumeEntry) -> SessionState:
+        sid = entry.open.session_id
+        what = f"RESUME of session {sid.hex()}"
+        if sid in self.closed:
+            raise JournalError(f"{what}, which was closed")
+        if sha256(tokens_bytes(entry.prompt)) != entry.open.prompt_digest:
+            raise JournalError(f"{what}: prompt does not hash to its digest")
+        held = self.sessions.get(sid)
+        if held is not None and held.open.encode() != entry.open.encode():
+            raise JournalError(f"{what}: another open than the session's")
+        if held is not None and entry.epoch < held.epoch:
+            raise JournalError(f"{what} at epoch {entry.epoch}, below its epoch {held.epoch}")
+        if self.proposer_keys is not None:
+            signed = Signed(entry.open.signed_message(entry.epoch, entry.resume), entry.signature)
+            _check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "resume")
+        try:
+            state = SessionState.resumed(entry, self.verifier_keys)
+        except RefusedError as exc:
+            raise JournalError(f"{what}: {exc}") from exc
         self.sessions[sid] = state
         return state
 
@@ -343,6 +489,18 @@ def describe(payload: bytes) -> dict:
         }
     if isinstance(entry, EpochEntry):
         return {"entry": "epoch", "session": entry.session_id.hex(), "epoch": entry.epoch}
+    if isinstance(entry, ResumeEntry):
+        result = RoundResult.decode(Signed.decode(entry.resume).body)
+        return {
+            "entry": "resume",
+            "session": entry.open.session_id.hex(),
+            "epoch": entry.epoch,
+            "after_round": result.round,
+            "head": result.head.hex(),
+            "signed_by": result.verifier_key_id,
+            "prompt_tokens": len(entry.prompt),
+            "generated_tokens": len(entry.generated),
+        }
     return {"entry": "close", "session": entry.session_id.hex()}
 
 

@@ -45,6 +45,7 @@ from muser.errors import (
     MuserError,
     NotAttachedError,
     RefusedError,
+    ResumeMismatchError,
     RoundOutOfOrderError,
     RowCountError,
     RowWidthError,
@@ -87,6 +88,7 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     RoundOutOfOrderError: (C.FAILED_PRECONDITION, "round_out_of_order"),
     HeadMismatchError: (C.ABORTED, "head_mismatch"),
     GenesisMismatchError: (C.INVALID_ARGUMENT, "genesis_mismatch"),
+    ResumeMismatchError: (C.INVALID_ARGUMENT, "resume_mismatch"),
     FrontierMismatchError: (C.FAILED_PRECONDITION, "frontier_mismatch"),
     MissingFragmentsError: (C.FAILED_PRECONDITION, "missing_fragments"),
     FragmentHashMismatchError: (C.DATA_LOSS, "fragment_hash_mismatch"),
@@ -155,6 +157,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 request.genesis_head,
                 request.signature,
                 {f.digest: f.data for f in request.fragments},
+                request.resume,
+                tuple(request.resume_transcript),
             )
             reply = await self.manager.open_session(req)
         except MuserError as exc:
@@ -166,6 +170,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             next_round=reply.next_round,
             epoch=reply.epoch,
             verifier_key_id=reply.verifier_key_id,
+            resumed=reply.resumed,
         )
 
     async def CloseSession(

@@ -22,6 +22,12 @@ Sessions are serialised by a per-session asyncio lock; each transaction runs as 
 task, so a client that goes away mid-fsync cannot leave the log ahead of the state.
 Recovery replays the log through `journal.Replay`; the target KV is rebuilt lazily (a
 session's executor re-evaluates its transcript on first use, as after a KV eviction).
+
+An open may carry a resume point: the last round the proposer committed, as an enrolled
+verifier signed it, with the transcript and MT state after it by fragment. A verifier that
+does not hold that round (a session it never saw, a lost commit log, a session that went on
+at another verifier) checks it (`SessionState.resumed`), journals RESUME and goes on from it;
+one that holds it re-opens the session as usual.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from muser.backend import ModelBackend, ModelIdentity
 from muser.canonical import CanonicalError
 from muser.errors import (
     EquivocationError,
+    FragmentMismatchError,
     FutureEpochError,
     GenesisMismatchError,
     HeadMismatchError,
     JournalError,
+    MissingFragmentsError,
     RoundOutOfOrderError,
     SessionClosedError,
     SessionConflictError,
@@ -61,6 +69,7 @@ from muser.records import (
     close_message,
     request_of,
     sha256,
+    tokens_from_bytes,
 )
 from muser.stats import VerifierStats
 from verifier_gx import journal
@@ -89,6 +98,10 @@ class OpenRequest:
     genesis_head: bytes
     signature: bytes
     fragments: Mapping[bytes, bytes]
+    resume: bytes = b""
+    """Signed(RoundResult) bytes of the proposer's last committed round; empty at genesis."""
+    resume_transcript: tuple[bytes, ...] = ()
+    """Digests of the transcript chunks after that round, in order (data in `fragments`)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,7 @@ class OpenReply:
     next_round: int
     epoch: int
     verifier_key_id: str
+    resumed: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,7 @@ class SessionManager:
         clock: Callable[[], float] = time.monotonic,
         qualified_draft: tuple[str, str] | None = None,
         max_decode_len: int = 1,
+        verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
     ) -> None:
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
         self.max_decode_len = max_decode_len
@@ -143,6 +158,9 @@ class SessionManager:
         self.signing_key = signing_key
         self.key_id = keys.key_id(signing_key.public_key())
         self.proposer_keys = dict(proposer_keys)
+        self.verifier_keys = {**(verifier_keys or {}), self.key_id: signing_key.public_key()}
+        """Enrolled verifier keys (this one's own included): a resume point signed by any of
+        them is taken."""
         self.fragments = FragmentStage()
         self._locks: dict[bytes, asyncio.Lock] = {}
         self._open_lock = asyncio.Lock()
@@ -164,7 +182,7 @@ class SessionManager:
     def _recover(self) -> journal.Replay:
         if self.log.latest_snapshot() is not None:
             raise JournalError("the commit log holds a snapshot; this verifier never writes one")
-        replay = journal.Replay(verifier_keys={self.key_id: self.signing_key.public_key()})
+        replay = journal.Replay(verifier_keys=self.verifier_keys)
         for seq, payload in self.log.records(self.log.first_seq):
             try:
                 replay.apply(journal.decode(payload))
@@ -234,7 +252,8 @@ class SessionManager:
         o = req.open
         async with self._open_lock:
             public = self._proposer_key(o.proposer_key_id)
-            keys.verify(public, o.signed_message(req.epoch), req.signature, "session open")
+            message = o.signed_message(req.epoch, req.resume)
+            keys.verify(public, message, req.signature, "session open")
             check_identities(o, self.target, self.qualified_draft)
             check_params(
                 o,
@@ -254,19 +273,76 @@ class SessionManager:
                     return await self._reopen(self.replay.sessions[sid], req)
             if sid in self.replay.closed:
                 raise SessionClosedError(f"session {sid.hex()} was closed; ids are never reused")
+            if req.resume:
+                entry = self._resume_entry(req)
+                self._check_room_for_another()
+                return await self._resume(entry)
             prompt = read_prompt(o, dict(req.fragments), self.fragments, self.target.vocab_size)
             check_room(len(prompt), o.params, self.backend.geometry.context_length)
-            active = sum(1 for st in self.replay.sessions.values() if not st.done)
-            if active >= self.limits.max_sessions:  # finished ones only answer retries
-                raise SessionLimitError(
-                    f"{active} unfinished sessions are open; limits.max_sessions is "
-                    f"{self.limits.max_sessions}"
-                )
+            self._check_room_for_another()
             entry = journal.OpenEntry(o, req.epoch, tuple(prompt), req.signature)
             await self.log.append_async(journal.encode(entry))
             state = self.replay.apply(entry)
             log.info("session %s opened epoch=%d prompt=%d", short(sid), req.epoch, len(prompt))
             return self._reply(state)
+
+    def _check_room_for_another(self) -> None:
+        active = sum(1 for st in self.replay.sessions.values() if not st.done)
+        if active >= self.limits.max_sessions:  # finished ones only answer retries
+            raise SessionLimitError(
+                f"{active} unfinished sessions are open; limits.max_sessions is "
+                f"{self.limits.max_sessions}"
+            )
+
+    def _resume_entry(self, req: OpenRequest) -> journal.ResumeEntry:
+        """The RESUME entry `req` asks for, every part of it checked (nothing written)."""
+        o, fragments = req.open, dict(req.fragments)
+        prompt = read_prompt(o, fragments, self.fragments, self.target.vocab_size)
+        check_room(len(prompt), o.params, self.backend.geometry.context_length)
+        point = journal.resume_point(o, req.epoch, req.resume, self.verifier_keys)
+        named = [*req.resume_transcript, point.post_state_digest]
+        held = {d: fragments.get(d) or self.fragments.get(d) for d in named}
+        missing = [d for d, data in held.items() if data is None]
+        if missing:
+            raise MissingFragmentsError(
+                f"the resume point's transcript and MT state name {len(missing)} fragment(s) "
+                f"neither in the open nor held: {[d.hex()[:16] for d in missing]}",
+                missing,
+            )
+        chunks = [held[d] for d in req.resume_transcript]
+        if any(not chunk or len(chunk) % 4 for chunk in chunks):
+            raise FragmentMismatchError(
+                "a resume transcript chunk is not a non-empty whole number of u32 token ids"
+            )
+        transcript = [t for chunk in chunks for t in tokens_from_bytes(chunk)]
+        if transcript[: len(prompt)] != prompt or len(transcript) <= len(prompt):
+            raise FragmentMismatchError(
+                f"the resume transcript ({len(transcript)} tokens) does not extend the "
+                f"session's prompt ({len(prompt)} tokens)"
+            )
+        entry = journal.ResumeEntry(
+            o,
+            req.epoch,
+            tuple(prompt),
+            req.signature,
+            req.resume,
+            held[point.post_state_digest],
+            tuple(transcript[len(prompt) :]),
+        )
+        journal.SessionState.resumed(entry, self.verifier_keys)  # raises what does not fit
+        return entry
+
+    async def _resume(self, entry: journal.ResumeEntry) -> OpenReply:
+        await self.log.append_async(journal.encode(entry))
+        state = self.replay.apply(entry)
+        self.kv.drop(state.session_id)  # a KV this verifier held is of another transcript
+        log.info(
+            "session %s resumed after round %d (signed by verifier %s) epoch=%d transcript=%d",
+            short(state.session_id), state.next_round - 1,
+            RoundResult.decode(Signed.decode(entry.resume).body).verifier_key_id,
+            entry.epoch, len(state.transcript),
+        )  # fmt: skip
+        return self._reply(state, resumed=True)
 
     async def _reopen(self, state: SessionState, req: OpenRequest) -> OpenReply:
         if state.open.encode() != req.open.encode():
@@ -276,6 +352,10 @@ class SessionManager:
             )
         if req.epoch < state.epoch:
             self.check_epoch(state, req.epoch)
+        if req.resume and not self._holds(state, req.resume):
+            # behind the proposer, or gone on differently (rounds it never committed):
+            # the session moves to the round the proposer committed
+            return await self._resume(self._resume_entry(req))
         if req.epoch > state.epoch:
             entry = journal.EpochEntry(state.session_id, req.epoch)
             await self.log.append_async(journal.encode(entry))
@@ -283,7 +363,13 @@ class SessionManager:
             log.info("session %s fenced at epoch %d", short(state.session_id), req.epoch)
         return self._reply(state)
 
-    def _reply(self, state: SessionState) -> OpenReply:
+    @staticmethod
+    def _holds(state: SessionState, resume: bytes) -> bool:
+        """The session committed exactly this signed round (it is at it or one past it)."""
+        point = RoundResult.decode(Signed.decode(resume).body)
+        return state.committed.get(point.round) == (point.request_digest, resume)
+
+    def _reply(self, state: SessionState, resumed: bool = False) -> OpenReply:
         return OpenReply(
             state.session_id,
             state.open.genesis_head(),
@@ -291,6 +377,7 @@ class SessionManager:
             state.next_round,
             state.epoch,
             self.key_id,
+            resumed,
         )
 
     async def close_session(self, session_id: bytes, epoch: int, signature: bytes) -> None:

@@ -55,7 +55,12 @@ def identity_from_pb(m: pb.ModelIdentity) -> Identity:
 
 
 def open_to_pb(
-    o: SessionOpen, epoch: int, signature: bytes, fragments: dict[bytes, bytes]
+    o: SessionOpen,
+    epoch: int,
+    signature: bytes,
+    fragments: dict[bytes, bytes],
+    resume: bytes = b"",
+    resume_transcript: tuple[bytes, ...] = (),
 ) -> pb.OpenSessionRequest:
     return pb.OpenSessionRequest(
         session_id=o.session_id,
@@ -69,6 +74,8 @@ def open_to_pb(
         genesis_head=o.genesis_head(),
         signature=signature,
         fragments=[pb.Fragment(digest=d, data=b) for d, b in fragments.items()],
+        resume=resume,
+        resume_transcript=list(resume_transcript),
     )
 
 

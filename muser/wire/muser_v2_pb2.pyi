@@ -33,7 +33,7 @@ class ModelIdentity(_message.Message):
     def __init__(self, model_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "target", "draft", "params", "prompt_digest", "proposer_key_id", "epoch", "capture_layers", "genesis_head", "fragments", "signature")
+    __slots__ = ("session_id", "target", "draft", "params", "prompt_digest", "proposer_key_id", "epoch", "capture_layers", "genesis_head", "fragments", "signature", "resume", "resume_transcript")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,8 @@ class OpenSessionRequest(_message.Message):
     GENESIS_HEAD_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     target: ModelIdentity
     draft: ModelIdentity
@@ -56,23 +58,27 @@ class OpenSessionRequest(_message.Message):
     genesis_head: bytes
     fragments: _containers.RepeatedCompositeFieldContainer[Fragment]
     signature: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_digest: _Optional[bytes] = ..., proposer_key_id: _Optional[str] = ..., epoch: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ..., genesis_head: _Optional[bytes] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    resume: bytes
+    resume_transcript: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[bytes] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_digest: _Optional[bytes] = ..., proposer_key_id: _Optional[str] = ..., epoch: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ..., genesis_head: _Optional[bytes] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., signature: _Optional[bytes] = ..., resume: _Optional[bytes] = ..., resume_transcript: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "genesis_head", "head", "next_round", "epoch", "verifier_key_id")
+    __slots__ = ("session_id", "genesis_head", "head", "next_round", "epoch", "verifier_key_id", "resumed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENESIS_HEAD_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     genesis_head: bytes
     head: bytes
     next_round: int
     epoch: int
     verifier_key_id: str
-    def __init__(self, session_id: _Optional[bytes] = ..., genesis_head: _Optional[bytes] = ..., head: _Optional[bytes] = ..., next_round: _Optional[int] = ..., epoch: _Optional[int] = ..., verifier_key_id: _Optional[str] = ...) -> None: ...
+    resumed: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., genesis_head: _Optional[bytes] = ..., head: _Optional[bytes] = ..., next_round: _Optional[int] = ..., epoch: _Optional[int] = ..., verifier_key_id: _Optional[str] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "signature")

@@ -14,12 +14,17 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from cluster_config import load_config
+from muser import keys
 from muser.cli.cluster_client import stream_generate
 from muser.fixtures import natural_prompts
 from muser.netproxy import TcpProxy
 from muser.sampling import SamplingParams
 from tests.cluster.conftest import make_cluster
-from tests.cluster.harness import muser
+from tests.cluster.harness import Daemon, muser
+from tests.qualify.receipts import qualified_receipt
+from verifier_gx import journal
+from wal.log import FileLog
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=160, seed=4242)
 
@@ -153,3 +158,67 @@ def test_sigkill_at_a_hundred_random_points(tmp_path, fixture_pair, reference, v
     finally:
         cluster.stop()
     assert_wals_verify(cluster)
+
+
+def _other_node(cluster_dir, text: str) -> str:
+    """The cluster file of another verifier node at the same address: its own key, an empty
+    commit log, its own receipt; both verifier keys enrolled."""
+    for old, new in (
+        ('key = "keys/verifier.key"', 'key = "keys/other.key"'),
+        ('public_key = "keys/verifier.pub"', 'public_key = "keys/other.pub"'),
+        ('wal_dir = "wal/verifier"', 'wal_dir = "wal/other"'),
+        ('receipt = "qualification.json"', 'receipt = "qualification-other.json"'),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+def test_a_generation_moves_to_another_verifier_node_and_back(tmp_path, fixture_pair, reference):
+    """The verifier dies for good: another node (its own key, an empty commit log) takes its
+    address; the proposer's open carries its last signed round and the node resumes from it.
+    Then the first node comes back, rounds behind, and resumes in turn. The text is the
+    uncrashed run's, and every log verifies."""
+
+    def enrol_other(text: str) -> str:
+        keys.write_keypair(keys.generate(), tmp_path / "keys/other.key", tmp_path / "keys/other.pub")
+        enrolled = 'verifiers = ["keys/verifier.pub"]'
+        return text.replace(enrolled, 'verifiers = ["keys/verifier.pub", "keys/other.pub"]')
+
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2, edit=enrol_other)
+    other_path = tmp_path / "cluster-other.toml"
+    other_path.write_text(_other_node(tmp_path, cluster.config_path.read_text()))
+    qualified_receipt(load_config(other_path))
+    other = Daemon("verifier", other_path, tmp_path / "other")
+    cluster.start()
+    client = Client(cluster.address, _prompt(fixture_pair), PARAMS)
+    try:
+        client.start()
+        assert client.wait_for(40)
+        cluster.verifier.kill()
+        other.start()
+        assert client.wait_for(100)
+        other.kill()
+        cluster.verifier.start()
+        client.join(300)
+        assert client.error is None, f"{client.error}\n{cluster.proposer.log_tail()}"
+        assert client.result["tokens"] == reference
+    finally:
+        cluster.stop()
+        other.stop()
+    wals = [tmp_path / "wal/verifier/commit", tmp_path / "wal/other/commit"]
+    for wal in wals:  # each node resumed once: the other node first, then the first one back
+        kinds = [type(journal.decode(r.payload)) for r in FileLog(wal).records(1)]
+        assert kinds.count(journal.ResumeEntry) == 1, (wal, kinds)
+    pubkeys = ["keys/verifier.pub", "keys/other.pub", "keys/proposer.pub"]
+    for log_dir in [*wals, tmp_path / "wal/proposer/journal"]:
+        args = ["wal", "verify", str(log_dir)]
+        for key in pubkeys:
+            args += ["--pubkey", str(tmp_path / key)]
+        out = muser(*args)
+        assert out.returncode == 0, f"{log_dir}: {out.stdout}{out.stderr}"
+        assert "chain checked by: none" not in out.stdout, out.stdout
+    # without the other node's key, the first node's log does not verify: its RESUME carries
+    # a round that key signed
+    out = muser("wal", "verify", str(wals[0]), "--pubkey", str(tmp_path / "keys/verifier.pub"))
+    assert out.returncode != 0 and "resume" in (out.stdout + out.stderr).lower()

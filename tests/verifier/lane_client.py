@@ -117,13 +117,32 @@ class LaneClient:
 
     def open_pb(self, *, open_: SessionOpen | None = None, epoch: int | None = None,
                 signer: Ed25519PrivateKey | None = None,
-                fragments: dict[bytes, bytes] | None = None) -> pb.OpenSessionRequest:  # fmt: skip
+                fragments: dict[bytes, bytes] | None = None, resume: bytes = b"",
+                resume_transcript: tuple[bytes, ...] = (),
+                signed_resume: bytes | None = None) -> pb.OpenSessionRequest:  # fmt: skip
+        """The open; with `resume`, a resume point (`signed_resume`: what the signature
+        covers instead, to forge one)."""
         o = open_ or self.open
         at = self.epoch if epoch is None else epoch
-        signature = (signer or self.key).sign(o.signed_message(at))
+        covered = resume if signed_resume is None else signed_resume
+        signature = (signer or self.key).sign(o.signed_message(at, covered))
         if fragments is None:
             fragments = {o.prompt_digest: tokens_bytes(self.prompt)}
-        return convert.open_to_pb(o, self.epoch if epoch is None else epoch, signature, fragments)
+        return convert.open_to_pb(o, at, signature, fragments, resume, resume_transcript)
+
+    def resume_point(self) -> tuple[bytes, tuple[bytes, ...], dict[bytes, bytes]]:
+        """Like the proposer's: the last result, the transcript's chunk digests, and the
+        fragments (chunks, MT state, prompt) an open resuming after it carries."""
+        chunks = tuple(sha256(c) for c in transcript_chunks(self.transcript))
+        fragments = {**self.fragments(), self.open.prompt_digest: tokens_bytes(self.prompt)}
+        return self.results[-1].encode(), chunks, fragments
+
+    async def resume_session(self, **kw) -> pb.OpenSessionResponse:
+        resume, chunks, fragments = self.resume_point()
+        kw.setdefault("resume", resume)
+        kw.setdefault("resume_transcript", chunks)
+        kw.setdefault("fragments", fragments)
+        return await self.stub.OpenSession(self.open_pb(**kw))
 
     async def open_session(self, **kw) -> pb.OpenSessionResponse:
         return await self.stub.OpenSession(self.open_pb(**kw))
