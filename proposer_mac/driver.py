@@ -168,6 +168,15 @@ class SessionRunner:
         stream: RoundStream | None = None
         drafting: asyncio.Future | None = None
         speculation: Speculating | None = None
+        # this round's proposal until its request is on the wire; the speculation on it
+        # starts then, not before (the speculative draft would compete with the send)
+        to_speculate: Draft | None = None
+
+        def sent() -> None:
+            nonlocal speculation, to_speculate
+            if to_speculate is not None:
+                speculation, to_speculate = self._start_speculation(to_speculate), None
+
         backoff = 0.05
         draft_s, round_start = 0.0, time.perf_counter()
         while not s.done and not (self.cancelled and s.prepared is None):
@@ -187,13 +196,13 @@ class SessionRunner:
                     journal.encode_prepared(s.session_id, s.next_round, signed_request)
                 )
                 s.prepared = signed_request
-                speculation = self._start_speculation(proposal)
+                to_speculate = proposal
             try:
                 if stream is None:
                     stream = await core.attach(s)
                     backoff = 0.05
                 t0 = time.perf_counter()
-                signed, raw = await stream.round_trip(s.prepared, s.fragments)
+                signed, raw = await stream.round_trip(s.prepared, s.fragments, sent)
                 t1 = time.perf_counter()
             except LinkDown as exc:
                 log.warning(
@@ -256,7 +265,7 @@ class SessionRunner:
             self.stats.transport_s += max(0.0, (t1 - t0) - remote)
             self.stats.observe_round(len(result.drafts), result.accepted, len(tokens))
             self.stats.wall_s = time.perf_counter() - start
-            stream.ack(result.round)
+            await stream.ack(result.round)
             await self._notify()
         if not s.done:  # cancelled: the session ends at what is durable
             log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
@@ -397,4 +406,4 @@ class DriverContext:
 
     async def attach(self, s: ProposerSession) -> RoundStream:
         await self.open_remote(s)
-        return RoundStream(self.stub, s.session_id, s.epoch)
+        return await RoundStream(self.stub, s.session_id, s.epoch).attach()

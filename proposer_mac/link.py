@@ -1,6 +1,9 @@
 """The proposer's link to a verifier: open sessions, one Rounds stream per session.
 
-A round trip sends one signed request and waits for its result. The verifier's in-band
+A round trip sends one signed request and waits for its result. Messages are written on the
+call directly (no request-iterator task between the driver and the wire), and the caller
+hears when its request is on the wire (`on_sent`: the driver starts its speculation then,
+so the speculative draft never competes with the send). The verifier's in-band
 refusals come back as `RoundRefused` (code, reason, message); a `missing_fragments` refusal
 is answered here by sending the named fragments and the same request again. A broken stream
 (verifier restart, cut connection) raises `LinkDown`; the driver reconnects with backoff and
@@ -10,6 +13,7 @@ re-sends the same PREPARED bytes, which the verifier answers from its WAL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Callable
 
@@ -55,42 +59,57 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class RoundStream:
-    """One attached Rounds stream for one session."""
+    """One Rounds stream for one session; `attach` before the first round trip."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, session_id: bytes, epoch: int):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.call = stub.Rounds(self._requests())
-        self.session_id = session_id
-        self.queue.put_nowait(
-            pb.ProposerMessage(attach=pb.Attach(session_id=session_id, epoch=epoch))
-        )
+        self.call = stub.Rounds()
+        self.session_id, self.epoch = session_id, epoch
         self.captured_bytes = 0
         """Capture-row fragment bytes received (hash-checked; no consumer keeps them yet)."""
 
-    async def _requests(self):
-        while True:
-            msg = await self.queue.get()
-            if msg is None:
-                return
-            yield msg
+    async def attach(self) -> RoundStream:
+        await self._write(
+            pb.ProposerMessage(attach=pb.Attach(session_id=self.session_id, epoch=self.epoch))
+        )
+        return self
+
+    async def _write(self, msg: pb.ProposerMessage) -> None:
+        try:
+            await self.call.write(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise self._broken(exc.code(), exc.details()) from exc
+        except asyncio.InvalidStateError as exc:  # the call ended: its status says why
+            code = await self.call.code() if self.call.done() else grpc.StatusCode.UNKNOWN
+            details = await self.call.details() if self.call.done() else str(exc)
+            raise self._broken(code, details) from exc
+
+    @staticmethod
+    def _broken(code: grpc.StatusCode, details: str | None) -> MuserError:
+        if code in RETRYABLE:
+            return LinkDown(f"round stream broke: {code.name}: {details}")
+        return RoundRefused(code, "rpc", details or "")
 
     async def _next(self) -> pb.VerifierMessage:
         try:
             msg = await self.call.read()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in RETRYABLE:
-                raise LinkDown(f"round stream broke: {exc.code().name}: {exc.details()}") from exc
-            raise RoundRefused(exc.code(), "rpc", exc.details() or "") from exc
+            raise self._broken(exc.code(), exc.details()) from exc
         if msg is grpc.aio.EOF:
             raise LinkDown("the verifier closed the round stream")
         return msg
 
     async def round_trip(
-        self, signed_request: Signed, fragments: Callable[[], dict[bytes, bytes]]
+        self,
+        signed_request: Signed,
+        fragments: Callable[[], dict[bytes, bytes]],
+        on_sent: Callable[[], None] | None = None,
     ) -> tuple[Signed, pb.RoundResult]:
+        """Send the request, answer a missing_fragments refusal once, return the result."""
         request = convert.request_to_pb(signed_request)
         sent_fragments = False
-        self.queue.put_nowait(pb.ProposerMessage(request=request))
+        await self._write(pb.ProposerMessage(request=request))
+        if on_sent is not None:
+            on_sent()
         while True:
             msg = await self._next()
             kind = msg.WhichOneof("kind")
@@ -110,22 +129,21 @@ class RoundStream:
                     held = fragments()
                     for digest in err.missing:
                         if digest in held:
-                            self.queue.put_nowait(
-                                pb.ProposerMessage(
-                                    fragment=pb.Fragment(digest=digest, data=held[digest])
-                                )
-                            )
+                            fragment = pb.Fragment(digest=digest, data=held[digest])
+                            await self._write(pb.ProposerMessage(fragment=fragment))
                     sent_fragments = True
-                    self.queue.put_nowait(pb.ProposerMessage(request=request))
+                    await self._write(pb.ProposerMessage(request=request))
                     continue
                 code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
                 raise RoundRefused(code, err.reason, err.message)
 
-    def ack(self, round_: int) -> None:
-        self.queue.put_nowait(
-            pb.ProposerMessage(ack=pb.Ack(session_id=self.session_id, round=round_))
-        )
+    async def ack(self, round_: int) -> None:
+        """Best effort: a lost ack only keeps fragments staged at the verifier longer, and a
+        broken stream shows at the next round trip."""
+        with contextlib.suppress(MuserError):
+            await self._write(
+                pb.ProposerMessage(ack=pb.Ack(session_id=self.session_id, round=round_))
+            )
 
     def close(self) -> None:
-        self.queue.put_nowait(None)
         self.call.cancel()

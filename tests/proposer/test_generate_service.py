@@ -344,11 +344,11 @@ async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, m
 
     real, refused = RoundStream.round_trip, []
 
-    async def busy_twice(self, signed, fragments):
+    async def busy_twice(self, signed, fragments, on_sent=None):
         if len(refused) < 2:
             refused.append(signed)
             raise RoundRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "round_queue_full", "full")
-        return await real(self, signed, fragments)
+        return await real(self, signed, fragments, on_sent)
 
     monkeypatch.setattr(RoundStream, "round_trip", busy_twice)
     runner = await cluster.server.core.start_session(PROMPT, PARAMS)
@@ -362,7 +362,7 @@ async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, m
 async def test_other_refusals_still_end_the_session(cluster, monkeypatch):
     from proposer_mac.link import RoundRefused, RoundStream
 
-    async def refuse(self, signed, fragments):
+    async def refuse(self, signed, fragments, on_sent=None):
         raise RoundRefused(grpc.StatusCode.ABORTED, "head_mismatch", "head")
 
     monkeypatch.setattr(RoundStream, "round_trip", refuse)
