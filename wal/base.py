@@ -71,6 +71,11 @@ class CommitLog(Protocol):
         """Append one record; block until it is durable; return its seq. Thread-safe."""
         ...
 
+    def append_many(self, payloads: list[bytes]) -> list[int]:
+        """Append records together, in order (consecutive seqs); block until all are
+        durable; return their seqs. Thread-safe."""
+        ...
+
     async def append_async(self, payload: bytes) -> int:
         """As `append`, awaiting the group fsync without blocking the event loop."""
         ...

@@ -13,8 +13,10 @@ Who holds the writer role:
   batch whenever fewer than `max_syncs` fsyncs are in flight and hands each fsync to a
   small pool. Overlapping fsyncs matter: the kernel serves concurrent fsyncs of one file
   together, so on a slow disk a batch need not wait for the previous batch's fsync;
-- asyncio appenders never write or fsync in their event loop: they hand the role to the
-  flusher, and their future is settled through `call_soon_threadsafe`.
+- an asyncio appender that finds the role free and an fsync slot free writes its batch in
+  its event loop (a write to the page cache) and hands only the fsync to the pool: one
+  thread hop there and one back (`call_soon_threadsafe`), where going through the flusher
+  took two there. Otherwise it hands the role to the flusher. It never fsyncs in its loop.
 
 Wakes are point to point: a sync waiter blocks on its own pre-acquired lock, released once.
 
@@ -114,38 +116,48 @@ class GroupCommit:
     def failed(self) -> str | None:
         return self._failed
 
-    def _enqueue(self, waiter: _Waiter) -> str | None:
-        """Queue the waiter. Returns who must now take the free writer role: "caller" (a
-        lone sync appender with a free fsync slot) or "flusher"; None if someone holds it."""
+    def _enqueue(self, *waiters: _Waiter) -> str | None:
+        """Queue the waiters (together: one batch unless a writer is draining). Returns who
+        must now take the free writer role: "caller" (a lone appender with a free fsync
+        slot) or "flusher"; None if someone holds it."""
         with self._mutex:
-            if self._closing and waiter.payload is not None:
+            if self._closing and any(w.payload is not None for w in waiters):
                 raise WalClosedError(f"the log at {self._name} is closed")
             if self._failed is not None:
                 raise WalIOError(self._failed)
-            self._queue.append(waiter)
+            self._queue.extend(waiters)
             if self._leading:
                 return None
             self._leading = True
-            lone = waiter.lock is not None and len(self._inflight) < self._max_syncs
-            return "caller" if lone else "flusher"
+            return "caller" if len(self._inflight) < self._max_syncs else "flusher"
 
     def submit(self, payload: bytes | None) -> int:
         """Commit one payload (None: wait for everything queued before it); block."""
-        waiter = _Waiter(payload, None)
-        role = self._enqueue(waiter)
+        return self.submit_many([payload])[0]
+
+    def submit_many(self, payloads: list[bytes | None]) -> list[int]:
+        """Commit payloads queued together (one write and one fsync when this caller takes
+        the writer role); block until every one is durable; their seqs, in order."""
+        waiters = [_Waiter(payload, None) for payload in payloads]
+        role = self._enqueue(*waiters)
         if role == "caller":
             self._lead_once()
         elif role == "flusher":  # every fsync slot is busy: the flusher waits for one
             self._hand_to_flusher()
-        waiter.lock.acquire()  # released exactly once, when its batch is acknowledged
-        if waiter.error is not None:
-            raise waiter.error
-        return waiter.seq
+        for waiter in waiters:
+            waiter.lock.acquire()  # released exactly once, when its batch is acknowledged
+        for waiter in waiters:
+            if waiter.error is not None:
+                raise waiter.error
+        return [waiter.seq for waiter in waiters]
 
     async def submit_async(self, payload: bytes) -> int:
         """Commit one payload and await it; the event loop never waits on an fsync."""
         waiter = _Waiter(payload, asyncio.get_running_loop())
-        if self._enqueue(waiter) is not None:
+        role = self._enqueue(waiter)
+        if role == "caller":  # write here, fsync in the pool
+            self._lead_once(fsync=lambda batch: self._sync_pool().submit(self._finish, batch))
+        elif role == "flusher":
             self._hand_to_flusher()
         return await waiter.future
 
@@ -201,8 +213,9 @@ class GroupCommit:
                     w.wake()
             self._changed.notify_all()
 
-    def _lead_once(self) -> None:
-        """The lone appender's round: write, pass the role on if others queued, fsync."""
+    def _lead_once(self, fsync: Callable[[_Batch], object] | None = None) -> None:
+        """The lone appender's round: write, pass the role on if others queued, fsync (here,
+        or through `fsync(batch)`)."""
         batch = self._write_batch()
         with self._mutex:
             handing = bool(self._queue)
@@ -211,7 +224,13 @@ class GroupCommit:
                 self._changed.notify_all()
         if handing:
             self._hand_to_flusher()
-        self._finish(batch)
+        (fsync or self._finish)(batch)
+
+    def _sync_pool(self) -> ThreadPoolExecutor:
+        with self._mutex:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_syncs, f"wal-sync {self._name}")
+            return self._pool
 
     def _hand_to_flusher(self) -> None:
         """Pass the writer role (held by the caller) to the flusher thread."""
@@ -237,8 +256,7 @@ class GroupCommit:
 
     def _flush(self) -> None:
         """Write batches while any are queued, keeping at most `max_syncs` fsyncs in flight."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_syncs, f"wal-sync {self._name}")
+        pool = self._sync_pool()
         while True:
             with self._mutex:
                 while len(self._inflight) >= self._max_syncs:
@@ -247,7 +265,7 @@ class GroupCommit:
                     self._leading = False
                     self._changed.notify_all()
                     return
-            self._pool.submit(self._finish, self._write_batch())
+            pool.submit(self._finish, self._write_batch())
 
     def close(self) -> None:
         """Wait for everything queued and in flight, refuse new appends, stop the threads."""

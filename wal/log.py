@@ -247,6 +247,11 @@ class FileLog:
         """Append one record and return its seq once it is durable (blocks the caller)."""
         return self._group.submit(check_payload(payload, self.max_record_bytes))
 
+    def append_many(self, payloads: list[bytes]) -> list[int]:
+        """Append records together (one write and one fsync when nobody else is writing);
+        block until all are durable; their seqs, in order."""
+        return self._group.submit_many([check_payload(p, self.max_record_bytes) for p in payloads])
+
     async def append_async(self, payload: bytes) -> int:
         """Append one record; await durability without blocking the event loop."""
         return await self._group.submit_async(check_payload(payload, self.max_record_bytes))

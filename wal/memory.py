@@ -75,6 +75,14 @@ class MemoryLog:
             self.store.records.append(data)
             return self.last_seq
 
+    def append_many(self, payloads: list[bytes]) -> list[int]:
+        data = [check_payload(p, self.max_record_bytes) for p in payloads]
+        with self._lock:
+            self._check_open()
+            first = self.last_seq + 1
+            self.store.records.extend(data)
+            return list(range(first, first + len(data)))
+
     async def append_async(self, payload: bytes) -> int:
         return self.append(payload)
 

@@ -91,6 +91,45 @@ def test_appenders_queued_behind_a_write_share_one_write_and_one_fsync(tmp_path,
         )
 
 
+def test_append_many_is_one_write_and_one_fsync_when_nobody_else_writes(tmp_path, monkeypatch):
+    with FileLog(tmp_path) as log:
+        fsyncs = GatedFsync(monkeypatch)
+        assert log.append_many([b"r%d" % i for i in range(6)]) == [1, 2, 3, 4, 5, 6]
+        assert len(fsyncs.calls) == 1 and log._group.batches == 1
+        assert fsyncs.calls[0] == (tmp_path / "seg-00000000000000000001.wal").stat().st_size
+        assert log.last_seq == 6
+
+
+def test_a_lone_append_async_writes_in_its_loop_and_fsyncs_in_the_pool(tmp_path, monkeypatch):
+    """No flusher thread for a lone asyncio appender: the write is made in the event loop's
+    thread, the fsync in another, and the append returns after that fsync."""
+    with FileLog(tmp_path) as log:
+        writers: list[str] = []
+        real_write = _fs.write_all
+        monkeypatch.setattr(
+            _fs,
+            "write_all",
+            lambda fd, data: (writers.append(threading.current_thread().name), real_write(fd, data)),
+        )
+        syncers: list[str] = []
+        real_fsync = _fs.fsync_file
+        monkeypatch.setattr(
+            _fs,
+            "fsync_file",
+            lambda fd: (syncers.append(threading.current_thread().name), real_fsync(fd)),
+        )
+
+        async def main():
+            return [await log.append_async(b"a%d" % i) for i in range(3)]
+
+        assert asyncio.run(main()) == [1, 2, 3]
+        loop_thread = threading.current_thread().name
+        assert writers == [loop_thread] * 3
+        assert len(syncers) == 3 and loop_thread not in syncers
+        assert log._group._flusher is None  # no thread hop through a flusher
+        assert log.last_seq == 3
+
+
 def test_fsyncs_overlap_up_to_max_syncs(tmp_path, monkeypatch):
     with FileLog(tmp_path) as log:
         gate = GatedFsync(monkeypatch)

@@ -35,6 +35,17 @@ def test_append_numbers_records_from_one_and_reads_them_back(log_env):
     assert list(log.records(4)) == []
 
 
+def test_append_many_numbers_its_records_consecutively_in_order(log_env):
+    log = log_env.open(max_record_bytes=10)
+    assert log.append(b"a") == 1
+    assert log.append_many([b"b", b"", b"c" * 10]) == [2, 3, 4]
+    assert log.append_many([]) == []
+    assert [r.payload for r in log.records()] == [b"a", b"b", b"", b"c" * 10]
+    with pytest.raises(WalUsageError):  # one oversized payload: none of them is written
+        log.append_many([b"d", b"x" * 11])
+    assert log.last_seq == 4 and log.append(b"e") == 5
+
+
 def test_bytearray_and_memoryview_are_stored_as_bytes(log_env):
     log = log_env.open()
     log.append(bytearray(b"ba"))
