@@ -13,8 +13,9 @@ session unchanged):
      rounds waiting at the same time in one worker thread (verifier_gx.compute): witness
      rows in one target forward over each session's own KV (verifier_gx.kvpool), then per
      round judge, build the RoundResult and sign it;
-  4. append ROUND to the commit log (fsync; the rounds of one batch share the group commit,
-     and each round waits for its own record to be durable);
+  4. in that same worker thread, append the batch's ROUND records to the commit log in one
+     write and one fsync (group commit), so the batch comes back to the event loop once,
+     durable;
   5. fenced CAS: apply only if head and epoch are still what the request expected;
   6. return the signed bytes.
 
@@ -87,6 +88,7 @@ from verifier_gx.compute import RoundComputer, RoundJob
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import SessionState, short
 from verifier_gx.kvpool import KvPool
+from wal.errors import WalError
 
 log = logging.getLogger("muser.verifier")
 
@@ -166,7 +168,7 @@ class SessionManager:
         self._open_lock = asyncio.Lock()
         self.computer = RoundComputer(backend, self.kv, signing_key, self.stats, clock)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
-            self.computer.decide,
+            self._decide_and_commit,
             max_batch=limits.max_batch,
             max_queue=limits.round_queue,
             on_batch=self.stats.observe_batch,
@@ -472,9 +474,6 @@ class SessionManager:
             self.stats.queue_full += 1
             raise
         decision, result, captures, post, signed, timings = decided
-        t0 = self.clock()
-        await self.log.append_async(journal.encode(journal.RoundEntry(digest, signed)))
-        timings["wal_s"] = self.clock() - t0
         # fenced CAS: under the session lock nothing else moves head or epoch, so this holds
         if state.head != request.expected_head or state.epoch != request.epoch:
             raise JournalError(
@@ -493,6 +492,27 @@ class SessionManager:
             decision.next_frontier, len(tokens), 1e3 * timings["verify_s"], 1e3 * timings["wal_s"],
         )  # fmt: skip
         return RoundOutcome(signed, result, captures, timings, False)
+
+    def _decide_and_commit(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
+        """A batch in the worker thread (DESIGN.md §5 steps 3 and 4): compute, judge and sign
+        every round, then make the ROUND records of those that were decided durable in one
+        write and one fsync. A commit-log failure is every decided round's failure."""
+        decided = self.computer.decide(jobs)
+        ok = [i for i, d in enumerate(decided) if not isinstance(d, BaseException)]
+        if not ok:
+            return decided
+        t0 = self.clock()
+        payloads = [journal.encode(journal.RoundEntry(jobs[i].digest, decided[i][4])) for i in ok]
+        try:
+            self.log.append_many(payloads)
+        except WalError as exc:
+            for i in ok:
+                decided[i] = exc
+            return decided
+        wal_s = self.clock() - t0
+        for i in ok:
+            decided[i][5]["wal_s"] = wal_s
+        return decided
 
     def _observe(self, request, decision, emitted: int, timings: dict[str, float]) -> None:
         self.stats.observe_round(len(request.drafts), decision.accepted, emitted, **timings)

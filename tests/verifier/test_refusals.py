@@ -249,20 +249,26 @@ async def test_oversized_message_is_refused_by_grpc(key_set, tmp_path):
         await v.stop()
 
 
-async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(verifier):
+async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(
+    verifier, monkeypatch
+):
+    import errno
+
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from wal.errors import WalIOError
+    from wal import _fs
 
     client, stream = await opened(verifier)
 
-    async def failing_append(payload: bytes) -> int:  # rounds commit from the event loop
-        raise WalIOError("fsync of seg-1.wal failed: [Errno 5] Input/output error")
+    def failing_fsync(fd: int) -> None:  # the disk fails under the round's commit
+        raise OSError(errno.EIO, "Input/output error")
 
-    verifier.manager.log.append_async = failing_append
+    monkeypatch.setattr(_fs, "fsync_file", failing_fsync)
+    seq = verifier.wal_seq
     await expect_refused(
         verifier, client, stream, client.sign(client.draft_request()), C.INTERNAL, "wal_failure"
     )
+    assert verifier.wal_seq == seq  # nothing acknowledged, the session did not move
     health = health_pb2_grpc.HealthStub(verifier.channel)
     reply = await health.Check(health_pb2.HealthCheckRequest(service="muser.v2.Verifier"))
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
