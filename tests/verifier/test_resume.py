@@ -107,7 +107,8 @@ async def test_another_verifier_resumes_and_goes_on_as_the_first_would(
         assert b.snapshot(client.session_id) == committed
     finally:
         await b.stop()
-    records = list(FileLog(b_config.verifier.wal_dir / "commit").records(1))
+    with FileLog(b_config.verifier.wal_dir / "commit") as log:
+        records = list(log.records(1))
     kinds = [type(journal.decode(r.payload)).__name__ for r in records]
     assert kinds[0] == "ResumeEntry" and set(kinds[1:]) == {"RoundEntry"}
     pairs = [(r.seq, r.payload) for r in records]
@@ -154,7 +155,8 @@ async def test_a_verifier_left_behind_moves_to_the_resume_point(key_set, tmp_pat
     finally:
         await a.stop()
         await b.stop()
-    records = [(r.seq, r.payload) for r in FileLog(a_config.verifier.wal_dir / "commit").records(1)]
+    with FileLog(a_config.verifier.wal_dir / "commit") as log:
+        records = [(r.seq, r.payload) for r in log.records(1)]
     both = {keys.key_id(k): k for k in (key_set.verifier.public_key(), other[0].public_key())}
     assert VerifierJournal().verify(records, verifier_keys=both).ok
 
