@@ -36,6 +36,8 @@ Verifier only (rounds of many sessions batched into one target forward):
     muser_kv_sessions                       gauge      sessions holding target KV now
     muser_kv_evictions_total                counter    sessions' KV dropped (kv_sessions cap)
     muser_kv_rebuilt_tokens_total           counter    transcript tokens re-evaluated
+    muser_resumes_total                     counter    sessions resumed from a proposer's
+                                                       signed round (another node, lost log)
 
 Proposer only (rounds of many sessions drafted together, lane.draft_batch):
 
@@ -222,6 +224,11 @@ def _verifier_families(v: DaemonView) -> Iterator[Metric]:
         "muser_kv_rebuilt_tokens",
         "Transcript tokens re-evaluated because a session's KV was not held.",
         value=s.kv_rebuilt_tokens,
+    )
+    yield CounterMetricFamily(
+        "muser_resumes",
+        "Sessions resumed from a round this verifier did not hold, signed by an enrolled one.",
+        value=s.resumes,
     )
 
 

@@ -315,6 +315,8 @@ class VerifierStats(LaneStats, DaemonStats):
     for the target; `queue_full` counts rounds refused because it was full."""
 
     retries: int = 0
+    resumes: int = 0
+    """Sessions this verifier resumed from a round it did not hold (an open's resume point)."""
     phases: dict[str, Histogram] = field(default_factory=lambda: _phase_histograms(VERIFIER_PHASES))
     batches: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)

@@ -311,6 +311,7 @@ def status_json(manager: SessionManager) -> dict:
         "closed_sessions": len(manager.replay.closed),
         "committed_rounds": sum(st.next_round for st in states),
         "retries": s.retries,
+        "resumes": s.resumes,
         "verify_s": s.verify_s,
         "sign_s": s.sign_s,
         "fragments": {"held": len(manager.fragments), "bytes": manager.fragments.bytes_held},

@@ -338,6 +338,7 @@ class SessionManager:
         await self.log.append_async(journal.encode(entry))
         state = self.replay.apply(entry)
         self.kv.drop(state.session_id)  # a KV this verifier held is of another transcript
+        self.stats.resumes += 1
         log.info(
             "session %s resumed after round %d (signed by verifier %s) epoch=%d transcript=%d",
             short(state.session_id), state.next_round - 1,

@@ -127,6 +127,10 @@ def summary(status: dict) -> list[str]:
     if drafting.get("batch_sizes"):
         state = "on" if drafting.get("batch") else "off (lane.draft_batch)"
         lines.append(f"draft batches {state}: sizes {_sizes(drafting['batch_sizes'])}")
+    if status.get("resumes"):
+        lines.append(
+            f"resumed {status['resumes']} session(s) from a proposer's signed round"
+        )
     if status.get("verifier_ceiling_tok_s") is not None:
         lines.append(f"verifier-only ceiling {status['verifier_ceiling_tok_s']:.1f} tokens/s")
     if refusals:

@@ -3,6 +3,7 @@ the exposition is checked exactly (it must also parse with prometheus_client's p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -178,6 +179,14 @@ def test_exposition_holds_the_observed_values(known):
         assert got[key] == pytest.approx(value, rel=1e-12), key
     phases = {dict(labels)["phase"] for name, labels in got if name.startswith("muser_round_")}
     assert phases == {"verify", "wal", "sign"}  # the verifier neither drafts nor transports
+
+
+def test_the_verifier_exposition_counts_resumed_sessions(known):
+    stats = known.lane
+    stats.resumes = 2
+    view = dataclasses.replace(known, verifier=stats, round_queue=0, kv_sessions=1)
+    got = samples(exposition(lambda: view))
+    assert got[("muser_resumes_total", ())] == 2.0
 
 
 def test_proposer_exposition_has_every_phase_and_no_retries(tmp_path):

@@ -16,6 +16,11 @@ def test_the_verifier_shows_its_target_batches_and_queue():
     ) in summary(status)
 
 
+def test_the_verifier_shows_sessions_it_resumed_only_when_it_did():
+    assert "resumed 2 session(s) from a proposer's signed round" in summary({"resumes": 2})
+    assert not any("resumed" in line for line in summary({"resumes": 0, "wal": {}}))
+
+
 def test_the_proposer_shows_its_draft_batches_and_whether_they_are_on():
     on = {"drafting": {"batch": True, "batch_sizes": {"8": 2, "1": 40}, "waiting": 0}}
     off = {"drafting": {"batch": False, "batch_sizes": {"1": 9}, "waiting": 0}}

@@ -5,6 +5,7 @@ signed round, its transcript and MT state; every bad resume is refused and write
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import grpc
 import pytest
@@ -14,6 +15,7 @@ from muser import keys
 from muser.mt19937 import Mt19937
 from muser.records import RoundResult, Signed, sha256, state_digest, tokens_bytes
 from muser.sampling import SamplingParams
+from muser.wire import muser_v2_pb2 as pb
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import Verifier, make_config
 from tests.verifier.test_open import refused
@@ -87,6 +89,9 @@ async def test_another_verifier_resumes_and_goes_on_as_the_first_would(
         move(client, b, other[0].public_key())
         reply = await client.resume_session()
         assert reply.resumed and (reply.next_round, reply.head) == at
+        assert b.manager.stats.resumes == 1 and a.manager.stats.resumes == 0
+        status = json.loads((await b.stub.Status(pb.StatusRequest())).json)
+        assert status["resumes"] == 1
         assert b.snapshot(client.session_id)[5] == state_digest(client.mt)
         await client.run(await client.attach())
         assert client.out == out and client.head == head  # heads bind no key: same chain
