@@ -68,9 +68,13 @@ class RoundStream:
         """Capture-row fragment bytes received (hash-checked; no consumer keeps them yet)."""
 
     async def attach(self) -> RoundStream:
-        await self._write(
-            pb.ProposerMessage(attach=pb.Attach(session_id=self.session_id, epoch=self.epoch))
-        )
+        try:
+            await self._write(
+                pb.ProposerMessage(attach=pb.Attach(session_id=self.session_id, epoch=self.epoch))
+            )
+        except MuserError:
+            self.close()  # nobody else holds this stream to close it
+            raise
         return self
 
     async def _write(self, msg: pb.ProposerMessage) -> None:

@@ -20,9 +20,10 @@ advanced by `draws_for_round`) and the transcript digest. Daemon recovery and
 
 RESUME starts (or moves) a session at a round committed elsewhere: a proposer whose last
 committed round this verifier does not hold (another node, a lost commit log) carries that
-signed round, the MT state and the transcript after it; `resumed_state` checks the signature
-against the enrolled verifier keys and the state and transcript against the round's digests,
-and the chain goes on from that round's head. The daemon and `wal verify` check it alike.
+signed round, the MT state and the transcript after it; `SessionState.resumed` checks the
+signature against the enrolled verifier keys and the state and transcript against the
+round's digests, and the chain goes on from that round's head. The daemon and `wal verify`
+check it alike.
 
 The proposer signs `SessionOpen.signed_message(epoch)` to open (the epoch is covered, so a
 captured open cannot be replayed at a higher epoch to fence the session) and

@@ -101,3 +101,12 @@ async def test_a_write_on_an_ended_call_says_why_by_its_status(status, raised):
         await stream.round_trip(signed_request, dict, on_sent=lambda: sent.append(1))
     assert sent == []  # nothing went out: no speculation starts on it
     await stream.ack(0)  # best effort: a broken stream shows at the next round trip
+
+
+async def test_an_attach_that_cannot_be_written_cancels_its_call():
+    events: list[str] = []
+    call = FakeCall(events)
+    call.status = grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(LinkDown):
+        await RoundStream(FakeStub(call), SID, 1).attach()
+    assert events == ["cancel"]
