@@ -179,11 +179,9 @@ def _other_node(cluster_dir, text: str) -> str:
     return text
 
 
-def test_a_generation_moves_to_another_verifier_node_and_back(tmp_path, fixture_pair, reference):
-    """The verifier dies for good: another node (its own key, an empty commit log) takes its
-    address; the proposer's open carries its last signed round and the node resumes from it.
-    Then the first node comes back, rounds behind, and resumes in turn. The text is the
-    uncrashed run's, and every log verifies."""
+def _two_nodes(tmp_path, fixture_pair):
+    """A cluster whose verifier address can be served by either of two nodes (own keys,
+    own commit logs, both enrolled everywhere); returns it and the other node's daemon."""
 
     def enrol_other(text: str) -> str:
         keys.write_keypair(keys.generate(), tmp_path / "keys/other.key", tmp_path / "keys/other.pub")
@@ -194,7 +192,65 @@ def test_a_generation_moves_to_another_verifier_node_and_back(tmp_path, fixture_
     other_path = tmp_path / "cluster-other.toml"
     other_path.write_text(_other_node(tmp_path, cluster.config_path.read_text()))
     qualified_receipt(load_config(other_path))
-    other = Daemon("verifier", other_path, tmp_path / "other")
+    return cluster, Daemon("verifier", other_path, tmp_path / "other")
+
+
+def _assert_node_logs_verify(tmp_path, resumes: tuple[int, int]) -> None:
+    """Each node's commit log holds `resumes` RESUME entries; every log verifies with all
+    three public keys."""
+    wals = [tmp_path / "wal/verifier/commit", tmp_path / "wal/other/commit"]
+    for wal, expected in zip(wals, resumes, strict=True):
+        with FileLog(wal) as log:
+            kinds = [type(journal.decode(r.payload)) for r in log.records(1)]
+        assert kinds.count(journal.ResumeEntry) == expected, (wal, kinds)
+    pubkeys = ["keys/verifier.pub", "keys/other.pub", "keys/proposer.pub"]
+    for log_dir in [*wals, tmp_path / "wal/proposer/journal"]:
+        args = ["wal", "verify", str(log_dir)]
+        for key in pubkeys:
+            args += ["--pubkey", str(tmp_path / key)]
+        out = muser(*args)
+        assert out.returncode == 0, f"{log_dir}: {out.stdout}{out.stderr}"
+        assert "chain checked by: none" not in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_a_generation_moves_between_two_nodes_at_ten_random_points(
+    tmp_path, fixture_pair, reference
+):
+    """Ten times the node serving the verifier address dies for good and the other one
+    takes over, each time resuming from the proposer's last signed round (after the first
+    move, always a node left behind). The text is the uncrashed run's."""
+    cluster, other = _two_nodes(tmp_path, fixture_pair)
+    rng = random.Random(11)
+    thresholds = sorted(rng.sample(range(4, PARAMS.max_tokens - 8, 6), 10))
+    cluster.start()
+    nodes = [cluster.verifier, other]
+    client = Client(cluster.address, _prompt(fixture_pair), PARAMS)
+    moves = 0
+    try:
+        client.start()
+        for threshold in thresholds:
+            if not client.wait_for(threshold):
+                break
+            nodes[moves % 2].kill()
+            nodes[(moves + 1) % 2].start()
+            moves += 1
+        client.join(300)
+        assert client.error is None, f"{client.error}\n{cluster.proposer.log_tail()}"
+        assert moves == 10 and client.result["tokens"] == reference
+    finally:
+        cluster.stop()
+        other.stop()
+    _assert_node_logs_verify(tmp_path, (5, 5))
+
+
+def test_a_generation_moves_to_another_verifier_node_and_back(tmp_path, fixture_pair, reference):
+    """The verifier dies for good: another node (its own key, an empty commit log) takes its
+    address; the proposer's open carries its last signed round and the node resumes from it.
+    Then the first node comes back, rounds behind, and resumes in turn. The text is the
+    uncrashed run's, and every log verifies."""
+
+    cluster, other = _two_nodes(tmp_path, fixture_pair)
     cluster.start()
     client = Client(cluster.address, _prompt(fixture_pair), PARAMS)
     try:
@@ -211,19 +267,9 @@ def test_a_generation_moves_to_another_verifier_node_and_back(tmp_path, fixture_
     finally:
         cluster.stop()
         other.stop()
+    # each node resumed once: the other node first, then the first one back
+    _assert_node_logs_verify(tmp_path, (1, 1))
     wals = [tmp_path / "wal/verifier/commit", tmp_path / "wal/other/commit"]
-    for wal in wals:  # each node resumed once: the other node first, then the first one back
-        with FileLog(wal) as log:
-            kinds = [type(journal.decode(r.payload)) for r in log.records(1)]
-        assert kinds.count(journal.ResumeEntry) == 1, (wal, kinds)
-    pubkeys = ["keys/verifier.pub", "keys/other.pub", "keys/proposer.pub"]
-    for log_dir in [*wals, tmp_path / "wal/proposer/journal"]:
-        args = ["wal", "verify", str(log_dir)]
-        for key in pubkeys:
-            args += ["--pubkey", str(tmp_path / key)]
-        out = muser(*args)
-        assert out.returncode == 0, f"{log_dir}: {out.stdout}{out.stderr}"
-        assert "chain checked by: none" not in out.stdout, out.stdout
     # without the other node's key, the first node's log does not verify: its RESUME carries
     # a round that key signed
     out = muser("wal", "verify", str(wals[0]), "--pubkey", str(tmp_path / "keys/verifier.pub"))
