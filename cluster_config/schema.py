@@ -201,7 +201,12 @@ class Lane(_Strict):
 
 
 class Enrolment(_Strict):
-    verifiers: list[Path] = Field(description="Enrolled verifier public keys (PEM).")
+    verifiers: list[Path] = Field(
+        description=(
+            "Enrolled verifier public keys (PEM): the proposer accepts results they sign, a "
+            "verifier resumes sessions from rounds they signed."
+        )
+    )
     proposers: list[Path] = Field(description="Enrolled proposer public keys (PEM).")
 
 
