@@ -91,22 +91,31 @@ def crash_run(cluster, prompt, victim: str, points: int, seed: int, proxy=None):
     return client.result, hits
 
 
+def resumes_in(commit_log) -> int:
+    """RESUME entries in a verifier's commit log."""
+    with FileLog(commit_log) as log:
+        return sum(isinstance(journal.decode(r.payload), journal.ResumeEntry) for r in log.records(1))
+
+
+def assert_wal_verifies(log_dir, pubkeys) -> None:
+    """`muser wal verify` with these public keys: checksums, head chains and signatures."""
+    args = ["wal", "verify", str(log_dir)]
+    for key in pubkeys:
+        args += ["--pubkey", str(key)]
+    out = muser(*args)
+    assert out.returncode == 0, f"{log_dir}: {out.stdout}{out.stderr}"
+    assert "chain checked by: none" not in out.stdout, out.stdout
+
+
 def assert_wals_verify(cluster):
-    """`muser wal verify` with both public keys: checksums, head chains and signatures. And
-    the verifier never had to resume a session: after every restart it held the round the
-    proposer's open carried (a resume point encoded wrongly would show here as RESUME)."""
-    pubkeys = [str(cluster.config.verifier.public_key), str(cluster.config.proposer.public_key)]
+    """Both logs verify with both public keys. And the verifier never had to resume a
+    session: after every restart it held the round the proposer's open carried (a resume
+    point encoded wrongly would show here as RESUME)."""
+    pubkeys = [cluster.config.verifier.public_key, cluster.config.proposer.public_key]
     logs = [cluster.config.verifier.wal_dir / "commit", cluster.config.proposer.wal_dir / "journal"]
-    with FileLog(logs[0]) as log:
-        entries = [journal.decode(r.payload) for r in log.records(1)]
-    assert not any(isinstance(e, journal.ResumeEntry) for e in entries)
+    assert resumes_in(logs[0]) == 0
     for log_dir in logs:
-        args = ["wal", "verify", str(log_dir)]
-        for key in pubkeys:
-            args += ["--pubkey", key]
-        out = muser(*args)
-        assert out.returncode == 0, f"{log_dir}: {out.stdout}{out.stderr}"
-        assert "chain checked by: none" not in out.stdout, out.stdout
+        assert_wal_verifies(log_dir, pubkeys)
 
 
 @pytest.mark.parametrize("victim", ["verifier", "proposer"])
@@ -199,18 +208,10 @@ def _assert_node_logs_verify(tmp_path, resumes: tuple[int, int]) -> None:
     """Each node's commit log holds `resumes` RESUME entries; every log verifies with all
     three public keys."""
     wals = [tmp_path / "wal/verifier/commit", tmp_path / "wal/other/commit"]
-    for wal, expected in zip(wals, resumes, strict=True):
-        with FileLog(wal) as log:
-            kinds = [type(journal.decode(r.payload)) for r in log.records(1)]
-        assert kinds.count(journal.ResumeEntry) == expected, (wal, kinds)
-    pubkeys = ["keys/verifier.pub", "keys/other.pub", "keys/proposer.pub"]
+    assert [resumes_in(wal) for wal in wals] == list(resumes)
+    pubkeys = [tmp_path / k for k in ("keys/verifier.pub", "keys/other.pub", "keys/proposer.pub")]
     for log_dir in [*wals, tmp_path / "wal/proposer/journal"]:
-        args = ["wal", "verify", str(log_dir)]
-        for key in pubkeys:
-            args += ["--pubkey", str(tmp_path / key)]
-        out = muser(*args)
-        assert out.returncode == 0, f"{log_dir}: {out.stdout}{out.stderr}"
-        assert "chain checked by: none" not in out.stdout, out.stdout
+        assert_wal_verifies(log_dir, pubkeys)
 
 
 @pytest.mark.slow
