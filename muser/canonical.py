@@ -15,6 +15,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
+import numpy as np
+
 from muser.errors import RefusedError
 
 MAGIC = b"MUSER\x00"
@@ -57,11 +59,19 @@ class Writer:
         return self.blob(s.encode("utf-8"))
 
     def u32s(self, vs: Iterable[int]) -> Writer:
+        if isinstance(vs, np.ndarray) and vs.ndim == 1 and vs.dtype.kind in "iu":
+            if vs.size and (int(vs.min()) < 0 or int(vs.max()) >= 2**32):
+                raise struct.error(f"u32 out of range: {vs.min()}..{vs.max()}")
+            self.buf += struct.pack("<I", vs.size) + vs.astype("<u4").tobytes()
+            return self  # the same bytes as the loop below, in one vector pass
         vs = list(vs)
         self.buf += struct.pack(f"<I{len(vs)}I", len(vs), *vs)
         return self
 
     def f64s(self, vs: Iterable[float]) -> Writer:
+        if isinstance(vs, np.ndarray) and vs.ndim == 1 and vs.dtype.kind == "f":
+            self.buf += struct.pack("<I", vs.size) + vs.astype("<f8").tobytes()
+            return self  # IEEE-754 bits as struct writes them, in one vector pass
         vs = list(vs)
         self.buf += struct.pack(f"<I{len(vs)}d", len(vs), *vs)
         return self
@@ -119,6 +129,16 @@ class Reader:
     def f64s(self) -> list[float]:
         n = self.u32()
         return list(struct.unpack(f"<{n}d", self._take(8 * n)))
+
+    def u32_array(self) -> np.ndarray:
+        """`u32s` as an int64 array (one vector pass, for long rows)."""
+        n = self.u32()
+        return np.frombuffer(self._take(4 * n), dtype="<u4").astype(np.int64)
+
+    def f64_array(self) -> np.ndarray:
+        """`f64s` as a float64 array (one vector pass, for long rows)."""
+        n = self.u32()
+        return np.frombuffer(self._take(8 * n), dtype="<f8").astype(np.float64)
 
     def blobs(self) -> list[bytes]:
         return [self.blob() for _ in range(self.u32())]

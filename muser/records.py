@@ -176,7 +176,7 @@ class RoundRequest:
         w = Writer("round-request").raw(self.session_id, 16).u64(self.round).u64(self.epoch)
         w.raw(self.expected_head, 32).u32(self.frontier).u32s(self.drafts).u32(len(self.q_rows))
         for row in self.q_rows:
-            w.u32s(int(t) for t in row.ids).f64s(float(x) for x in row.weights)
+            w.u32s(np.asarray(row.ids)).f64s(np.asarray(row.weights))
         w.raw(self.pre_state_digest, 32).blobs(self.transcript_digests).text(self.proposer_key_id)
         return w.u32(self.decode_len).bytes()
 
@@ -184,10 +184,7 @@ class RoundRequest:
     def decode(cls, data: bytes) -> RoundRequest:
         r = Reader(data, "round-request")
         head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.u32(), tuple(r.u32s()))
-        rows = tuple(
-            SparseRow(np.array(r.u32s(), dtype=np.int64), np.array(r.f64s(), dtype=np.float64))
-            for _ in range(r.u32())
-        )
+        rows = tuple(SparseRow(r.u32_array(), r.f64_array()) for _ in range(r.u32()))
         out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text(), r.u32())
         r.end()
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from muser.canonical import CanonicalError
 from muser.records import (
     Identity,
     RoundRequest,
@@ -91,6 +92,26 @@ def open_from_pb(m: pb.OpenSessionRequest) -> SessionOpen:
     )
 
 
+def row_to_pb(q: SparseRow) -> pb.SparseRow:
+    """A draft row as two packed little-endian arrays (u32 ids, f64 weights)."""
+    return pb.SparseRow(
+        ids=np.asarray(q.ids).astype("<u4").tobytes(),
+        weights=np.asarray(q.weights).astype("<f8").tobytes(),
+    )
+
+
+def row_from_pb(m: pb.SparseRow, i: int) -> SparseRow:
+    """The row `row_to_pb` packed; byte lengths that are not whole arrays are refused
+    (values are checked later, with the round: `SparseRow.validate`)."""
+    if len(m.ids) % 4 or len(m.weights) % 8:
+        raise CanonicalError(
+            f"draft row {i}: ids must be packed u32 (a multiple of 4 bytes) and weights packed "
+            f"f64 (a multiple of 8 bytes), got {len(m.ids)} and {len(m.weights)} bytes"
+        )
+    ids = np.frombuffer(m.ids, dtype="<u4").astype(np.int64)
+    return SparseRow(ids, np.frombuffer(m.weights, dtype="<f8").astype(np.float64))
+
+
 def request_to_pb(signed: Signed) -> pb.RoundRequest:
     r = request_of(signed)
     return pb.RoundRequest(
@@ -100,10 +121,7 @@ def request_to_pb(signed: Signed) -> pb.RoundRequest:
         expected_head=r.expected_head,
         frontier=r.frontier,
         drafts=list(r.drafts),
-        q_rows=[
-            pb.SparseRow(ids=np.asarray(q.ids).tolist(), weights=np.asarray(q.weights).tolist())
-            for q in r.q_rows
-        ],
+        q_rows=[row_to_pb(q) for q in r.q_rows],
         pre_state_digest=r.pre_state_digest,
         transcript_digests=list(r.transcript_digests),
         proposer_key_id=r.proposer_key_id,
@@ -121,10 +139,7 @@ def request_from_pb(m: pb.RoundRequest) -> Signed:
         m.expected_head,
         m.frontier,
         tuple(m.drafts),
-        tuple(
-            SparseRow(np.array(q.ids, dtype=np.int64), np.array(q.weights, dtype=np.float64))
-            for q in m.q_rows
-        ),
+        tuple(row_from_pb(q, i) for i, q in enumerate(m.q_rows)),
         m.pre_state_digest,
         tuple(m.transcript_digests),
         m.proposer_key_id,

@@ -106,9 +106,9 @@ class SparseRow(_message.Message):
     __slots__ = ("ids", "weights")
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
-    ids: _containers.RepeatedScalarFieldContainer[int]
-    weights: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
+    ids: bytes
+    weights: bytes
+    def __init__(self, ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
     __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature", "decode_len")

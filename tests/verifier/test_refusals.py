@@ -159,6 +159,15 @@ async def test_unenrolled_key_and_bad_signature(verifier, key_set):
     await finish_like_uncrashed(verifier, client, stream)
 
 
+async def test_a_draft_row_that_is_not_packed_arrays_is_malformed(verifier):
+    client, stream = await opened(verifier)
+    bad = client.sign(client.draft_request())
+    bad.q_rows[0].weights = bad.q_rows[0].weights[:-3]  # not a whole number of f64
+    err = await expect_refused(verifier, client, stream, bad, C.INVALID_ARGUMENT, "malformed")
+    assert "draft row 0" in err.message and "multiple of 8 bytes" in err.message
+    await finish_like_uncrashed(verifier, client, stream)
+
+
 async def test_session_opened_by_another_enrolled_key_is_refused(verifier, key_set):
     client, stream = await opened(verifier)
     request = dataclasses.replace(client.draft_request(), proposer_key_id="0" * 16)
