@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from muser.errors import RefusedError
+from muser.round import DEFAULT_Q_TOP_K
 
 
 class ConfigError(RefusedError):
@@ -142,7 +143,14 @@ class Lane(_Strict):
         "one target step each (verifier-side decode: the wire is paid once per decode_len "
         "tokens; the text is that of decode_len singleton rounds). The verifier refuses more.",
     )
-    q_top_k: int = Field(32, ge=1, le=4096, description="Sparse draft row width.")
+    q_top_k: int = Field(
+        DEFAULT_Q_TOP_K,
+        ge=1,
+        le=4096,
+        description="Sparse draft row width: the most probable q_top_k tokens of each draft "
+        "row travel (the whole row when the vocabulary is no wider). Narrower rows are "
+        "smaller on the wire and accept less at T > 0.",
+    )
     capture_layers: list[int] = Field(
         default_factory=list,
         description="Target decoder layers (0-based) whose hidden rows results attach.",

@@ -1,4 +1,4 @@
-"""Round geometry and the carried frontier (DESIGN.md §4), shared by every lane.
+"""Round geometry, the carried frontier and the draft row's default width (DESIGN.md §4), shared by every lane.
 
 A session's transcript is the prompt followed by every emitted token; its last token is the
 frontier (the last prompt token at genesis). The target's KV covers the transcript minus the
@@ -11,6 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from muser.errors import RefusedError
+
+DEFAULT_Q_TOP_K = 2048
+"""The default width of a draft row: the whole row for vocabularies up to 2,048 tokens, the
+most probable 2,048 tokens above that. A narrower row is smaller on the wire but accepts
+less at T > 0: the verifier accepts a draft with probability sum(min(p, q)) over the row as
+sent, and the mass the draft puts outside the row is lost. On the fixture pair at T=1, 32
+entries accepted 25% of drafts and the whole row 70% (docs/benchmarks.md, sixth session).
+Greedy rows are one-hot whatever the width."""
 
 
 def plan_depth(draft_len: int, remaining: int) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from muser.errors import InvalidSamplingParamsError, InvalidWeightsError, TokenOutOfVocabularyError
+from muser.round import DEFAULT_Q_TOP_K as DEFAULT_Q_TOP_K
 
 
 @dataclass(frozen=True)

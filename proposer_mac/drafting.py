@@ -39,6 +39,7 @@ from muser.backend import ModelBackend, MultiSequenceBackend
 from muser.cursor import KvCursor
 from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
+from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, sample_ordered
 
 
@@ -77,7 +78,9 @@ class _Checkpoint:
 
 
 class Drafter:
-    def __init__(self, backend: ModelBackend, params: SamplingParams, q_top_k: int = 32) -> None:
+    def __init__(
+        self, backend: ModelBackend, params: SamplingParams, q_top_k: int = DEFAULT_Q_TOP_K
+    ) -> None:
         self.cursor = KvCursor(backend)
         self.params = params
         self.q_top_k = q_top_k

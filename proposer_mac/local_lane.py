@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from muser.backend import ModelBackend, batches
 from muser.generation import GenerationResult
 from muser.mt19937 import Mt19937
-from muser.round import clip_emission
+from muser.round import DEFAULT_Q_TOP_K, clip_emission
 from muser.sampling import SamplingParams, target_probs
 from muser.stats import LaneStats
 from muser.verify import judge_round
@@ -31,7 +31,7 @@ def run_local(
     params: SamplingParams,
     *,
     draft_len: int = 4,
-    q_top_k: int = 32,
+    q_top_k: int = DEFAULT_Q_TOP_K,
     record_rows: bool = False,
     on_tokens: Callable[[list[int]], None] | None = None,
     width: WidthPolicy | None = None,

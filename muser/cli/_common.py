@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from muser.errors import RefusedError
+from muser.round import DEFAULT_Q_TOP_K
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +79,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="cap the context the draft attends to at the last N tokens (default: uncapped)",
     )
-    g.add_argument("--q-top-k", type=int, default=32, help="sparse draft row width (default 32)")
+    g.add_argument(
+        "--q-top-k",
+        type=int,
+        default=DEFAULT_Q_TOP_K,
+        help=f"draft row width: its q_top_k most probable tokens (default {DEFAULT_Q_TOP_K}; "
+        "narrower rows accept less at T > 0)",
+    )
     g.add_argument(
         "--context-length",
         type=int,

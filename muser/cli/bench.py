@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from muser.round import DEFAULT_Q_TOP_K
+
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
@@ -35,7 +37,12 @@ def register(sub, name: str, help_text: str) -> None:
         "(lanes local-adaptive, cluster@Xms-adaptive), beside the fixed --draft-len ones; "
         "--suite sessions: the sessions run adaptive in [LO, HI] instead of fixed",
     )
-    p.add_argument("--q-top-k", type=int, default=32)
+    p.add_argument(
+        "--q-top-k",
+        type=int,
+        default=DEFAULT_Q_TOP_K,
+        help=f"draft row width (default {DEFAULT_Q_TOP_K})",
+    )
     p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
     p.add_argument(
         "--target-device",

@@ -7,6 +7,8 @@ import json
 import socket
 from pathlib import Path
 
+from muser.round import DEFAULT_Q_TOP_K
+
 TEMPLATE = """\
 # muser-cluster: a single-machine cluster (both daemons on loopback), written by
 # `muser config init`. Paths are relative to this file.
@@ -38,7 +40,7 @@ draft_len = {draft_len}
 width = "adaptive"
 # tokens a draftless round (D = 0) asks the verifier to decode itself
 decode_len = 8
-q_top_k = 32
+q_top_k = {q_top_k}
 # draft the rounds of concurrent sessions together, one batched draft forward per step
 # (torch drafts; mlx and windowed drafts draft each session alone)
 draft_batch = true
@@ -153,6 +155,7 @@ def init_cluster(
             draft=Path(draft).resolve(),
             draft_backend=draft_backend,
             draft_len=draft_len,
+            q_top_k=DEFAULT_Q_TOP_K,
         )
     )
     return path

@@ -50,7 +50,8 @@ def test_sampled_cluster_equals_local_lane_token_for_token(cluster, models):
         prompt = encode(tok, natural_prompts(2)[seed])
         target.reset()
         draft.reset()
-        local = run_local(target, draft, prompt, params, draft_len=4, q_top_k=32).tokens
+        k = cluster.config.lane.q_top_k
+        local = run_local(target, draft, prompt, params, draft_len=4, q_top_k=k).tokens
         got = stream_generate(cluster.address, prompt, params)
         assert got["tokens"] == local
 

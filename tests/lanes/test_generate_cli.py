@@ -68,14 +68,25 @@ def test_width_flags_take_effect(capsys):
     flags = ["--lane", "local", "--max-tokens", "64", "--temperature", "1", "--seed", "3"]
     _, fixed, _ = generate(capsys, *flags, "--draft-len", "4", prompt=None)
     assert fixed["stats"]["width"] == {"mode": "fixed", "draft_len": 4}
-    ranged = ["--width", "adaptive", "--draft-range", "1:8", "--draft-len", "8"]
+    ranged = ["--width", "adaptive", "--draft-range", "1:8", "--draft-len", "8", "--q-top-k", "32"]
     _, adaptive, _ = generate(capsys, *flags, *ranged, prompt=None)
     width = adaptive["stats"]["width"]
     assert width["mode"] == "adaptive" and width["range"] == [1, 8]
     used = {int(d) for d in adaptive["stats"]["rounds_by_draft_len"]}
-    # at T=1 the fixture draft agrees on ~1 draft in 3: eight drafts a round never pay
+    # at T=1 a 32-wide draft row accepts ~1 draft in 4: eight drafts a round never pay
     assert max(used) <= 8 and min(used) < 8 and ({1, 2} & used)
     assert max(int(d) for d in fixed["stats"]["rounds_by_draft_len"]) == 4
+
+
+def test_q_top_k_takes_effect(capsys):
+    """The draft row's width decides how much of the draft's mass the verifier sees: the
+    default (the whole row at this vocabulary) accepts far more at T=1 than 32 entries."""
+    flags = ["--lane", "local", "--max-tokens", "96", "--temperature", "1", "--seed", "3"]
+    _, narrow, _ = generate(capsys, *flags, "--q-top-k", "32", prompt=None)
+    _, whole, _ = generate(capsys, *flags, prompt=None)
+    assert narrow["stats"]["acceptance"] < 0.4 < 0.55 < whole["stats"]["acceptance"]
+    code, _, err = generate(capsys, *flags, "--q-top-k", "0", prompt=None)
+    assert code != 0 and "q_top_k must be >= 1, got 0" in err
 
 
 def test_width_flags_are_refused_where_they_mean_nothing(capsys):

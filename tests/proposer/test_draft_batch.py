@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from muser.errors import ContextOverflowError
 from muser.fixtures import build_fixtures, natural_prompts
 from muser.mt19937 import Mt19937
+from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, argmax_lowest, draft_row, sample_ordered
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac.backends import load_draft_backend
@@ -56,7 +57,7 @@ def sampler_picks(draft: Draft, state: Mt19937, greedy: bool) -> list[int]:
 def lone_q_rows(backend, transcript, drafts, params) -> list:
     """The q rows a lone forward gives for `drafts` after `transcript` (fresh KV)."""
     rows = backend.fork().evaluate([*transcript, *drafts[:-1]])[len(transcript) - 1 :]
-    return [draft_row(r, params, 32) for r in rows]
+    return [draft_row(r, params, DEFAULT_Q_TOP_K) for r in rows]  # the drafters' width
 
 
 def assert_rows_close(batched, lone):

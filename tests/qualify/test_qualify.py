@@ -23,6 +23,7 @@ from muser.cli.main import main
 from muser.errors import RefusedError
 from muser.fixtures import natural_prompts
 from muser.identity import model_identity
+from muser.round import DEFAULT_Q_TOP_K
 from tests.qualify.receipts import qualified_receipt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,11 @@ def test_qualify_writes_a_receipt_bound_to_the_models_lane_and_version(
     )
     assert b.draft.model_digest == draft.model_digest != target.model_digest
     assert (b.target.backend, b.target.dtype, b.draft.backend) == ("torch", "float32", "torch")
-    assert b.lane["draft_len"] == 4 and b.lane["q_top_k"] == 32 and b.lane["capture_layers"] == []
+    assert (b.lane["draft_len"], b.lane["q_top_k"], b.lane["capture_layers"]) == (
+        4,
+        DEFAULT_Q_TOP_K,
+        [],
+    )
     assert "receipt" not in b.lane and "acceptance_floor" not in b.lane
     assert b.version == version("muser-cluster")
     assert cli(capsys, "config", "check", str(path))[0] == 0
@@ -190,7 +195,7 @@ def test_verifier_refuses_a_tampered_receipt(qualified, capsys):
     data = json.loads(original)
     data["lane"]["q_top_k"] = 16
     receipt_path.write_text(json.dumps(data))
-    edit(qualified, "q_top_k = 32", "q_top_k = 16")
+    edit(qualified, f"q_top_k = {DEFAULT_Q_TOP_K}", "q_top_k = 16")
     assert "was altered after signing" in refused_serve(capsys, qualified)
 
 
@@ -224,13 +229,16 @@ def test_verifier_refuses_after_the_target_config_changed(
     )
 
 
+K = DEFAULT_Q_TOP_K
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ("q_top_k = 32", "q_top_k = 16", "lane.q_top_k: qualified 32, now 16"),
+        (f"q_top_k = {K}", "q_top_k = 16", f"lane.q_top_k: qualified {K}, now 16"),
         ("draft_len = 4", "draft_len = 3", "lane.draft_len: qualified 4, now 3"),
-        ("q_top_k = 32", "q_top_k = 32\ncapture_layers = [0]", "lane.capture_layers:"),
+        (f"q_top_k = {K}", f"q_top_k = {K}\ncapture_layers = [0]", "lane.capture_layers:"),
         ('backend = "torch"\n\n[proposer]', 'backend = "torch"\ndtype = "bfloat16"\n\n[proposer]',
          "target dtype: qualified 'float32', now 'bfloat16'"),
     ],
