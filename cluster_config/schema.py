@@ -93,6 +93,13 @@ class ProposerNode(_Strict):
     key: Path = Field(description="The proposer's Ed25519 private key (signs round requests).")
     public_key: Path = Field(description="Its public key; verifiers enrol it.")
     wal_dir: Path = Field(description="Session journal directory (PREPARED/COMMITTED).")
+    journal_compact_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="Snapshot the session journal once this many bytes of segments have "
+        "accumulated since the last snapshot (checked as sessions end); the commit log then "
+        "drops what the snapshot covers. 0 = never (the journal grows with every request).",
+    )
     draft: Path = Field(description="Draft checkpoint directory (same tokenizer as the target).")
     backend: Literal["torch", "mlx"] = Field("torch", description="Draft backend.")
     dtype: Dtype = Field(

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -86,6 +88,10 @@ class ProposerCore:
             speculate=config.lane.speculate,
             batch_with=draft if self.draft_batch else None,
         )
+        self._background: set[asyncio.Future] = set()
+        self._compacting = threading.Lock()
+        self._compacted_at = self.journal_bytes()
+        """Bytes of segments the last compaction (or the start) left on disk."""
         self.runners: dict[bytes, SessionRunner] = {}
         self.retired = LaneStats(phases={})
         """The summed stats of finished sessions forgotten beyond limits.finished_sessions."""
@@ -111,6 +117,16 @@ class ProposerCore:
         self._forget_finished()
         return runner
 
+    def _start(self, runner: SessionRunner) -> None:
+        """Run the session; once it ends, see whether the journal wants compacting."""
+        runner.start()
+        runner.task.add_done_callback(lambda _: self._in_background(self.maybe_compact()))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
     def _forget_finished(self) -> None:
         """Keep at most limits.finished_sessions finished sessions (the oldest go first);
         their stats are folded into `retired`, so the metrics' counters never go back."""
@@ -119,10 +135,61 @@ class ProposerCore:
             self.retired.merge(self.runners.pop(sid).stats)
         self.retired.prune()
 
+    def _replayed(self, on_record=None) -> dict[bytes, journal.JournaledSession]:
+        """The journal's sessions: its latest snapshot, then every durable record after it
+        (each seq handed to `on_record` when given)."""
+        snap = self.log.latest_snapshot()
+        base = journal.decode_snapshot(snap.data) if snap is not None else None
+        records = self.log.records(snap.seq + 1 if snap is not None else self.log.first_seq)
+
+        def payloads():
+            for record in records:
+                if on_record is not None:
+                    on_record(record.seq)
+                yield record.payload
+
+        return journal.replay(payloads(), base)
+
+    def journal_bytes(self) -> int:
+        """Bytes of journal segments on disk."""
+        directory = Path(self.config.proposer.wal_dir) / "journal"
+        return sum(e.stat().st_size for e in os.scandir(directory) if e.name.endswith(".wal"))
+
+    def compact_journal(self):
+        """Snapshot the journal at its last durable record (every unfinished session and the
+        latest `limits.finished_sessions` finished ones, see proposer_mac/journal.py) and let
+        the commit log drop the segments it covers. Blocking: call it off the event loop.
+        Returns the snapshot, or None when nothing was journaled since the last one."""
+        with self._compacting:
+            last = [0]
+            sessions = self._replayed(lambda seq: last.__setitem__(0, seq))
+            if not last[0]:
+                return None
+            data = journal.snapshot_of(sessions, self.config.limits.finished_sessions)
+            snap = self.log.write_snapshot(data, last[0])
+            self._compacted_at = self.journal_bytes()
+            log.info(
+                "journal snapshot at seq %d: %d sessions, %d bytes; %d bytes of segments left",
+                snap.seq, len(journal.decode_snapshot(data)), len(data), self._compacted_at,
+            )  # fmt: skip
+            return snap
+
+    async def maybe_compact(self) -> None:
+        """Compact once `proposer.journal_compact_bytes` of segments have piled up since the
+        last snapshot (in a worker thread; one compaction at a time)."""
+        limit = self.config.proposer.journal_compact_bytes
+        if not limit or self._compacting.locked():
+            return
+        if self.journal_bytes() - self._compacted_at >= limit:
+            try:
+                await asyncio.to_thread(self.compact_journal)
+            except Exception as exc:  # the journal itself is intact: only the snapshot failed
+                log.error("journal compaction failed (the journal keeps growing): %s", exc)
+
     def recover(self) -> int:
         """Rebuild sessions from the journal; start a runner for each unfinished one."""
         resumed = 0
-        for sid, js in journal.replay(r.payload for r in self.log.records()).items():
+        for sid, js in self._replayed().items():
             session = ProposerSession.from_open(
                 js.open,
                 js.epoch,
@@ -139,7 +206,7 @@ class ProposerCore:
             session.done = session.done or js.done
             runner = self._runner(session)
             if not session.done:
-                runner.start()
+                self._start(runner)
                 resumed += 1
             log.info(
                 "session %s recovered at round %d (%s)",
@@ -193,7 +260,7 @@ class ProposerCore:
         )
         await self.context.open_remote(session)
         runner = self._runner(session)
-        runner.start()
+        self._start(runner)
         return runner
 
 

@@ -9,6 +9,14 @@ Entries (canonical, domain "proposer-journal"; a tag byte first):
 
 Replaying the journal rebuilds every session: transcript, head, MT state, the request still
 in flight (re-sent byte for byte on restart; the verifier answers it from its WAL).
+
+Compaction: every request is journaled whole (its draft rows are most of a round's bytes),
+so the journal is snapshotted now and then (`snapshot_of`, domain
+"proposer-journal-snapshot"): every unfinished session as replay leaves it (open, epoch,
+prompt, draft length, its committed results, the request in flight) and the latest finished
+ones a restarted daemon still serves to reconnecting clients. The commit log then drops the
+segments the snapshot covers; replay starts from the snapshot (`replay(..., base=)`).
+Committed requests are not kept: a committed round needs only its signed result.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from muser.errors import RefusedError
 from muser.records import RoundRequest, RoundResult, SessionOpen, Signed, sha256
 
 DOMAIN = "proposer-journal"
+SNAPSHOT_DOMAIN = "proposer-journal-snapshot"
 OPEN, PREPARED, COMMITTED, DONE = 1, 2, 3, 4
 
 
@@ -57,9 +66,10 @@ class JournaledSession:
     done: bool = False
 
 
-def replay(payloads) -> dict[bytes, JournaledSession]:
-    """Rebuild sessions from journal payloads in order."""
-    sessions: dict[bytes, JournaledSession] = {}
+def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
+    """Rebuild sessions from journal payloads in order, after `base` (a decoded snapshot)
+    when the journal was compacted. Returns {session id: JournaledSession}."""
+    sessions: dict[bytes, JournaledSession] = dict(base or {})
     for payload in payloads:
         r = Reader(payload, DOMAIN)
         tag = r.u32()
@@ -81,6 +91,40 @@ def replay(payloads) -> dict[bytes, JournaledSession]:
         else:
             raise ValueError(f"journal: unknown entry tag {tag}")
         r.end()
+    return sessions
+
+
+def snapshot_of(sessions: dict[bytes, JournaledSession], keep_finished: int) -> bytes:
+    """The snapshot of replayed `sessions`: every unfinished one and the `keep_finished`
+    latest finished ones (journal order), each as replay leaves it."""
+    finished = [sid for sid, s in sessions.items() if s.done]
+    dropped = set(finished[: max(0, len(finished) - keep_finished)])
+    kept = [s for sid, s in sessions.items() if sid not in dropped]
+    w = Writer(SNAPSHOT_DOMAIN).u32(len(kept))
+    for s in kept:
+        w.blob(s.open.encode()).u64(s.epoch).u32s(s.prompt).u32(s.draft_len)
+        w.blobs(signed.encode() for signed in s.committed)
+        w.blob(s.prepared.encode() if s.prepared is not None else b"").u32(int(s.done))
+    return w.bytes()
+
+
+def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
+    r = Reader(data, SNAPSHOT_DOMAIN)
+    sessions: dict[bytes, JournaledSession] = {}
+    for _ in range(r.u32()):
+        open_ = SessionOpen.decode(r.blob())
+        s = JournaledSession(open_, r.u64(), r.u32s(), r.u32())
+        s.committed = [Signed.decode(b) for b in r.blobs()]
+        prepared = r.blob()
+        s.prepared = Signed.decode(prepared) if prepared else None
+        done = r.u32()
+        if done > 1:
+            raise RefusedError(f"journal snapshot: done flag must be 0 or 1, got {done}")
+        s.done = bool(done)
+        if open_.session_id in sessions:
+            raise RefusedError(f"journal snapshot: session {open_.session_id.hex()} twice")
+        sessions[open_.session_id] = s
+    r.end()
     return sessions
 
 
@@ -119,7 +163,9 @@ class WalInterpreter:
     Checks, per session, that every COMMITTED result chains from the genesis head
     (prev_head = the head before it, head = H(prev_head ‖ record)) and answers the PREPARED
     request before it; given --pubkey files, that every result is signed by the key it names
-    and every request by the proposer key the session opened with."""
+    and every request by the proposer key the session opened with. A compacted journal's
+    chains start in its snapshot, whose results are checked the same way (their requests
+    were not kept) before the records after it."""
 
     name = "proposer-journal"
 
@@ -137,7 +183,49 @@ class WalInterpreter:
         heads: dict[bytes, bytes] = {}
         prepared: dict[bytes, Signed] = {}
         owner: dict[bytes, str] = {}
+
+        def committed(where: str, sid: bytes, signed: Signed, request: Signed | None):
+            """Check one result; `request` None for a snapshot's (requests are not kept)."""
+            result = RoundResult.decode(signed.body)
+            if result.prev_head != heads[sid] or result.head != result.expected_head():
+                return f"{where}: result does not chain from the head before it"
+            if request is not None and result.request_digest != sha256(request.body):
+                return f"{where}: result does not answer the PREPARED request before it"
+            if keys is not None:
+                key = keys.get(result.verifier_key_id)
+                if key is None:
+                    return f"{where}: no --pubkey for verifier key {result.verifier_key_id}"
+                keymod.verify(key, signed.body, signed.signature, where)
+            heads[sid] = result.head
+            return None
+
+        def request(where: str, sid: bytes, signed: Signed) -> None:
+            prepared[sid] = signed
+            if keys is not None and owner[sid] in keys:
+                keymod.verify(keys[owner[sid]], signed.body, signed.signature, where)
+
+        floor = 0
+        if snapshot is not None:
+            floor = snapshot.seq
+            try:
+                base = decode_snapshot(snapshot.data)
+            except RefusedError as exc:
+                return f"snapshot at seq {floor}: {exc}"
+            for sid, s in base.items():
+                heads[sid], owner[sid] = s.open.genesis_head(), s.open.proposer_key_id
+                for i, signed in enumerate(s.committed):
+                    where = f"snapshot at seq {floor}: session {sid.hex()[:8]} round {i}"
+                    try:
+                        failure = committed(where, sid, signed, None)
+                    except RefusedError as exc:
+                        failure = f"{where}: {exc}"
+                    if failure is not None:
+                        return failure
+                if s.prepared is not None:
+                    request(f"snapshot at seq {floor}: session {sid.hex()[:8]}", sid, s.prepared)
         for seq, payload in ((r.seq, r.payload) for r in records):
+            if seq <= floor:
+                continue  # covered by the snapshot (kept until the next one drops it)
             where = f"seq {seq}"
             try:
                 r = Reader(payload, DOMAIN)
@@ -157,22 +245,13 @@ class WalInterpreter:
                 if sid not in heads:
                     return f"{where}: entry for a session with no OPEN before it"
                 if tag == PREPARED:
-                    prepared[sid] = signed
-                    if keys is not None and owner[sid] in keys:
-                        keymod.verify(keys[owner[sid]], signed.body, signed.signature, where)
+                    request(where, sid, signed)
                     continue
-                result = RoundResult.decode(signed.body)
-                if result.prev_head != heads[sid] or result.head != result.expected_head():
-                    return f"{where}: result does not chain from the head before it"
-                if sid not in prepared or result.request_digest != sha256(prepared[sid].body):
+                if sid not in prepared:
                     return f"{where}: result does not answer the PREPARED request before it"
-                if keys is not None:
-                    key = keys.get(result.verifier_key_id)
-                    if key is None:
-                        return f"{where}: no --pubkey for verifier key {result.verifier_key_id}"
-                    keymod.verify(key, signed.body, signed.signature, where)
-                heads[sid] = result.head
-                del prepared[sid]
+                failure = committed(where, sid, signed, prepared.pop(sid))
+                if failure is not None:
+                    return failure
             except RefusedError as exc:
                 return f"{where}: {exc}"
         return None

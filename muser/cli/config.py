@@ -28,6 +28,8 @@ http = "127.0.0.1:{http_port}"
 key = "keys/proposer.key"
 public_key = "keys/proposer.pub"
 wal_dir = "wal/proposer"
+# snapshot the journal (and drop what it covers) once this many bytes piled up; 0 = never
+journal_compact_bytes = 268435456
 draft = "{draft}"
 backend = "{draft_backend}"
 

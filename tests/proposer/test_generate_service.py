@@ -49,6 +49,7 @@ async def start(
     speculate=True,
     lane=None,
     draft=None,
+    proposer=None,
     **limits,
 ):
     verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
@@ -61,7 +62,9 @@ async def start(
     cfg = cfg.model_copy(
         update={
             "verifier": cfg.verifier.model_copy(update={"address": f"127.0.0.1:{verifier.port}"}),
-            "proposer": cfg.proposer.model_copy(update={"address": "127.0.0.1:0"}),
+            "proposer": cfg.proposer.model_copy(
+                update={"address": "127.0.0.1:0", **(proposer or {})}
+            ),
             "enrolment": enrolment,
             "lane": cfg.lane.model_copy(update={"speculate": speculate, **(lane or {})}),
         }
