@@ -3,6 +3,8 @@ local lane's at the same widths (and plain decode's when greedy)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,15 +22,21 @@ from verifier_gx.plain import run_plain
 from wal import FileLog
 
 RANGE = "draft_len = 4\ndraft_len_min = 0\ndraft_len_max = 8\n"
+NARROW = 32
+"""Draft rows this narrow accept ~1 draft in 4 at T=1 (the whole row ~3 in 4): evidence
+that four drafts a round do not pay, which the adaptive width must act on."""
 
 
 @pytest.fixture(scope="module")
 def ranged(tmp_path_factory, fixture_pair):
-    """A cluster whose lane may move D in [0, 8] (lane.width defaults to adaptive)."""
+    """A cluster whose lane may move D in [0, 8] (lane.width defaults to adaptive), on narrow
+    draft rows."""
     c = make_cluster(
         tmp_path_factory.mktemp("ranged"),
         fixture_pair,
-        edit=lambda text: text.replace("draft_len = 4\n", RANGE),
+        edit=lambda text: re.sub(r"q_top_k = \d+", f"q_top_k = {NARROW}", text).replace(
+            "draft_len = 4\n", RANGE
+        ),
     )
     c.start()
     yield c
@@ -63,7 +71,7 @@ def test_adaptive_widths_move_and_the_tokens_are_the_local_lane_at_those_widths(
         fixed_rounds = rounds_of(ranged, fixed["session_id"])
     finally:
         ranged.proposer.start()
-    # at T=1 the fixture draft agrees on ~1 draft in 4: four drafts a round never pay
+    # at T=1 a narrow row accepts ~1 draft in 4: four drafts a round never pay
     assert set(widths[:-1]) != {4}, widths
     remaining = sampled.max_tokens
     for r in fixed_rounds:  # D = 4 unless fewer tokens remain
@@ -73,7 +81,8 @@ def test_adaptive_widths_move_and_the_tokens_are_the_local_lane_at_those_widths(
         str(d): widths.count(d) for d in sorted(set(widths))
     }
     decode_len = ranged.config.lane.decode_len
-    local = run_local(target, draft, prompt, sampled, width=ScriptedWidth(widths, decode_len))
+    width = ScriptedWidth(widths, decode_len)
+    local = run_local(target, draft, prompt, sampled, q_top_k=NARROW, width=width)
     assert local.tokens == got_sampled["tokens"]
     target.reset()
     assert got_greedy["tokens"] == run_plain(target, prompt, greedy).tokens
