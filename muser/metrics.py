@@ -16,6 +16,7 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_emitted_tokens_total              counter    tokens emitted (accepted + next frontier)
     muser_speculated_rounds_total           counter    rounds drafted ahead (latency hiding)
     muser_speculation_hits_total            counter    speculative drafts used (guess held)
+    muser_decisions_followed_total          counter    next drafts started on an early decision
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
     muser_rounds_by_draft_len_total{draft_len} counter rounds per draft width D (lane.width)
@@ -273,6 +274,12 @@ class StatsCollector(Collector):
                 "muser_speculation_hits",
                 "Speculative drafts used because their guess held (proposer).",
                 lane.speculation_hits,
+            ),
+            (
+                "muser_decisions_followed",
+                "Next drafts started on the verifier's early decision, before its signed "
+                "result (proposer).",
+                lane.decisions_followed,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -131,6 +131,9 @@ class LaneStats:
     """Rounds drafted ahead, on the guess that the round before is fully accepted."""
     speculation_hits: int = 0
     """Speculative drafts used (the guess held); the rest were drafted again."""
+    decisions_followed: int = 0
+    """Next drafts started on the verifier's early decision, before its signed result,
+    because the guess was wrong or missing (used when the result agreed: a hit)."""
     queue_full_retries: int = 0
     """Rounds re-sent because the verifier's round queue was full (proposer)."""
     speculation_s: float = 0.0
@@ -189,7 +192,7 @@ class LaneStats:
         for name in (
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
-            "queue_full_retries",
+            "queue_full_retries", "decisions_followed",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -246,6 +249,7 @@ class LaneStats:
             "speculation": {
                 "rounds": self.speculated,
                 "hits": self.speculation_hits,
+                "on_decision": self.decisions_followed,
                 "seconds": round(self.speculation_s, 6),
             },
             "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},

@@ -56,9 +56,10 @@ class WidthPolicy:
         """Tokens a round without drafts asks the verifier to decode (never past max_tokens)."""
         return max(1, min(self.decode_len_max, remaining))
 
-    def peek(self, depth: int, remaining: int) -> int:
-        """The D `choose` would return after a round of `depth` drafts, all accepted, were
-        observed (costs as they stand): what a speculative next draft should use."""
+    def peek(self, depth: int, remaining: int, accepted: int | None = None) -> int:
+        """The D `choose` would return after a round of `depth` drafts, `accepted` of them
+        (default all), were observed (costs as they stand): what a next draft made ahead of
+        the result should use."""
         return self.choose(remaining)
 
     def observe(
@@ -121,7 +122,7 @@ class ScriptedWidth(WidthPolicy):
             raise ValueError(f"the width script has only {len(self.widths)} rounds")
         return plan_depth(self.widths[self._next], remaining)
 
-    def peek(self, depth: int, remaining: int) -> int:
+    def peek(self, depth: int, remaining: int, accepted: int | None = None) -> int:
         i = self._next + 1
         return plan_depth(self.widths[i], remaining) if i < len(self.widths) else 0
 
@@ -187,8 +188,10 @@ class AdaptiveWidth(WidthPolicy):
     def choose(self, remaining: int) -> int:
         return plan_depth(self._best(self.alpha), remaining)
 
-    def peek(self, depth: int, remaining: int) -> int:
-        hits, judged = DECAY * self.hits + depth, DECAY * self.judged + depth
+    def peek(self, depth: int, remaining: int, accepted: int | None = None) -> int:
+        accepted = depth if accepted is None else accepted
+        judged = accepted + (1 if accepted < depth else 0)  # as `restore` counts them
+        hits, judged = DECAY * self.hits + accepted, DECAY * self.judged + judged
         return plan_depth(self._best(hits / judged), remaining)
 
     def restore(self, depth: int, accepted: int, emitted: int) -> None:

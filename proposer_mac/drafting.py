@@ -15,6 +15,11 @@ drafted alone; see batched drafting below), and on a miss the cursor is put back
 checkpoint before drafting again. Exactness does not
 depend on the guess.
 
+Following a decision: the verifier tells the round's outcome as soon as it is decided, before
+its commit and its signed result (an unsigned hint). When the speculation guessed otherwise,
+`follow_steps` drafts the next round on that outcome at once: again the post-result draft,
+made earlier; the signed result still decides whether it is used.
+
 Batched drafting: a draft and a speculation are written as *steps*, generators that yield
 the tokens whose rows they need next and receive those rows. `Drafter.draft` feeds one from
 its own cursor (`KvCursor.extend`); `run_together` feeds the steps of several sessions,
@@ -167,8 +172,10 @@ class Drafter:
         next_depth: int,
         stop_tokens: Sequence[int],
         stop: threading.Event | None = None,
+        guess: list[int] | None = None,
     ) -> Steps[Speculation | None]:
-        """`speculate` as steps."""
+        """`speculate` as steps; `guess` is given the guessed emission as soon as it is
+        known (before the next round is drafted on it)."""
         depth = len(current.drafts)
         held = [*transcript, *current.drafts[:-1]]
         if depth == 0 or not self.cursor.holds(held) or self.cursor.last_row is None:
@@ -182,6 +189,8 @@ class Drafter:
             u = advance(state, 2 * depth).uniform_f64()  # the verifier's bonus draw
             bonus = int(q.ids[sample_ordered(q.weights, u)])
         emitted = [*current.drafts, bonus]
+        if guess is not None:
+            guess[:] = emitted  # read by the event loop's thread: one slice store
         if any(t in stop_tokens for t in emitted):
             return Speculation(emitted, next_depth, None)
         post = advance(state, draws_for_round(depth, depth, self.params.greedy))
@@ -191,6 +200,27 @@ class Drafter:
         except Stopped:
             return Speculation(emitted, next_depth, None)
         return Speculation(emitted, next_depth, proposal)
+
+    def follow_steps(
+        self,
+        transcript: Sequence[int],
+        current: Draft,
+        emitted: Sequence[int],
+        post: Mt19937,
+        depth: int,
+    ) -> Steps[Speculation]:
+        """The round after `current` (drafted from `transcript`), drafted on the verifier's
+        early decision before the signed result: after `transcript + emitted` from `post`,
+        from where the post-result draft starts (the cursor goes back to `current`'s
+        checkpoint first, and keeps it: if the result says otherwise, the draft made then
+        starts there too, as after a missed guess)."""
+        if self._checkpoint is None:  # no speculation since `current`: mark where it ended
+            held = [*transcript, *current.drafts[:-1]]
+            if current.drafts and self.cursor.holds(held) and self.cursor.last_row is not None:
+                self._checkpoint = _Checkpoint(len(held), self.cursor.last_row)
+        self._rewind()
+        proposal = yield from self._draft([*transcript, *emitted], post, depth, None)
+        return Speculation(list(emitted), depth, proposal)
 
     def adopt(self) -> None:
         """The guess held: the cursor already stands where the post-result draft left it."""

@@ -18,14 +18,15 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from muser import logs
 from muser.backend import MultiSequenceBackend
-from muser.records import close_message
+from muser.records import advance, close_message, draws_for_round
+from muser.round import clip_emission
 from muser.stats import DraftingStats, LaneStats
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -48,7 +49,11 @@ class Speculating:
     future: asyncio.Future
     stop: threading.Event
     drafts: list[int]
-    """The drafts of the round in flight, which the speculation assumes all accepted."""
+    """What the draft assumes the round in flight emits before its last token (its drafts,
+    all accepted, for a guess; the decided tokens for a followed decision)."""
+    emitted: list[int] = field(default_factory=list)
+    """Everything it assumes the round emits; a guess fills it in the draft thread once its
+    bonus token is picked (empty until then)."""
 
 
 class SessionRunner:
@@ -133,18 +138,53 @@ class SessionRunner:
         if not self.core.speculate or not proposal.drafts or remaining < 1:
             return None
         depth = s.width.peek(len(proposal.drafts), remaining)
-        stop = threading.Event()
+        stop, guess = threading.Event(), []
         steps = self.drafter.speculate_steps(
-            list(s.transcript), s.state, proposal, depth, s.params.stop_tokens, stop
+            list(s.transcript), s.state, proposal, depth, s.params.stop_tokens, stop, guess
         )
-        return Speculating(self.core.drafts.submit(self.drafter, steps), stop, proposal.drafts)
+        future = self.core.drafts.submit(self.drafter, steps)
+        return Speculating(future, stop, proposal.drafts, guess)
 
-    async def _next_draft(self, speculation: Speculating | None, tokens: list[int]):
-        """The next round's draft (a future of (proposal, seconds)): the speculative one when
-        its guess held, else a new one."""
+    def _follow_decision(
+        self, spec: Speculating | None, current: Draft, d: pb.Decision
+    ) -> Speculating | None:
+        """The verifier decided the round in flight (`current`'s) and said how, before its
+        commit and signed result: unless the speculation already drafts on that outcome, stop
+        it and draft the next round on the decision now. A hint only decides when the next
+        draft is made; the signed result decides whether it is used (`_next_draft`)."""
+        s = self.session
+        depth = len(current.drafts)
+        if not self.core.speculate or depth == 0 or d.accepted > depth:
+            return spec
+        emitted = [*current.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
+        if spec is not None and spec.emitted == emitted:
+            return spec  # the guess was right (or this decision came before): keep drafting
+        clip = clip_emission(emitted, len(s.emitted), s.params.max_tokens, s.params.stop_tokens)
+        if clip.done:
+            return spec  # the session ends with this round: nothing more to draft
+        remaining = s.params.max_tokens - len(s.emitted) - len(clip.tokens)
+        next_depth = s.width.peek(depth, remaining, d.accepted)
+        draws = draws_for_round(depth, d.accepted, s.params.greedy, len(emitted))
+        steps = self.drafter.follow_steps(
+            list(s.transcript), current, emitted, advance(s.state, draws), next_depth
+        )
+        if spec is not None:
+            spec.stop.set()  # its draft is dropped; it ends between two forwards
+            spec.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.stats.decisions_followed += 1
+        future = self.core.drafts.submit(self.drafter, steps)
+        return Speculating(future, threading.Event(), emitted[:-1], emitted)
+
+    async def _next_draft(
+        self, speculation: Speculating | None, tokens: list[int]
+    ) -> tuple[Draft, float]:
+        """The next round's draft and the seconds it kept the round waiting after its result:
+        the one drafted ahead (on a guess, or on the verifier's decision) when it drafted on
+        what the round emitted, else a new one."""
         if speculation is not None:
             if tokens[:-1] != speculation.drafts:
-                speculation.stop.set()  # not fully accepted: stop between two forwards
+                speculation.stop.set()  # not what it drafted on: stop between two forwards
+            t0, ready = time.perf_counter(), speculation.future.done()
             spec, seconds = await speculation.future
             self.stats.speculation_s += seconds
             self.stats.speculated += 1
@@ -157,10 +197,8 @@ class SessionRunner:
             ):
                 self.stats.speculation_hits += 1
                 self.drafter.adopt()
-                done = asyncio.get_running_loop().create_future()
-                done.set_result((spec.proposal, 0.0))
-                return done
-        return self._start_draft()
+                return spec.proposal, 0.0 if ready else time.perf_counter() - t0
+        return await self._start_draft()
 
     async def _drive(self) -> None:
         s, core = self.session, self.core
@@ -171,11 +209,19 @@ class SessionRunner:
         # this round's proposal until its request is on the wire; the speculation on it
         # starts then, not before (the speculative draft would compete with the send)
         to_speculate: Draft | None = None
+        in_flight: Draft | None = None
+        """The proposal of the round at the verifier (None for a round recovered from the
+        journal: its decision is not followed)."""
 
         def sent() -> None:
             nonlocal speculation, to_speculate
             if to_speculate is not None:
                 speculation, to_speculate = self._start_speculation(to_speculate), None
+
+        def decided(d: pb.Decision) -> None:
+            nonlocal speculation
+            if in_flight is not None and to_speculate is None:
+                speculation = self._follow_decision(speculation, in_flight, d)
 
         backoff = 0.05
         draft_s, round_start = 0.0, time.perf_counter()
@@ -196,13 +242,13 @@ class SessionRunner:
                     journal.encode_prepared(s.session_id, s.next_round, signed_request)
                 )
                 s.prepared = signed_request
-                to_speculate = proposal
+                to_speculate = in_flight = proposal
             try:
                 if stream is None:
                     stream = await core.attach(s)
                     backoff = 0.05
                 t0 = time.perf_counter()
-                signed, raw = await stream.round_trip(s.prepared, s.fragments, sent)
+                signed, raw = await stream.round_trip(s.prepared, s.fragments, sent, decided)
                 t1 = time.perf_counter()
             except LinkDown as exc:
                 log.warning(
@@ -251,10 +297,10 @@ class SessionRunner:
                 core.log.append_async(journal.encode_committed(s.session_id, result.round, signed))
             )
             if not s.done and not self.cancelled:  # the next draft overlaps COMMITTED's fsync
-                drafting = await self._next_draft(speculation, tokens)
+                drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
             elif speculation is not None:
                 speculation.stop.set()
-            speculation = None
+            speculation = in_flight = None
             await commit
             t2 = time.perf_counter()
             self.durable = len(s.emitted)
@@ -321,8 +367,13 @@ class DraftQueue:
         with self._lock:
             jobs, self._waiting = self._waiting, []
         jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-        together = self.batch_with is not None and len(jobs) > 1
-        for group in [jobs] if together else [[j] for j in jobs]:
+        first: list[_Job] = []
+        later: list[_Job] = []  # a session's second job (a draft on a decision, after the
+        for job in jobs:  # speculation it replaces) runs after its first, never beside it
+            (later if any(j.drafter is job.drafter for j in first) else first).append(job)
+        together = self.batch_with is not None and len(first) > 1
+        groups = [first] if together else [[j] for j in first]
+        for group in groups + [[j] for j in later]:
             t0 = time.perf_counter()
             if len(group) > 1:
                 work = [(j.drafter.cursor, j.steps) for j in group]

@@ -3,7 +3,8 @@
 A round trip sends one signed request and waits for its result. Messages are written on the
 call directly (no request-iterator task between the driver and the wire), and the caller
 hears when its request is on the wire (`on_sent`: the driver starts its speculation then,
-so the speculative draft never competes with the send). The verifier's in-band
+so the speculative draft never competes with the send), and the verifier's early decision
+on the round (`on_decision`: a hint to draft the next round on). The verifier's in-band
 refusals come back as `RoundRefused` (code, reason, message); a `missing_fragments` refusal
 is answered here by sending the named fragments and the same request again. A broken stream
 (verifier restart, cut connection) raises `LinkDown`; the driver reconnects with backoff and
@@ -107,8 +108,10 @@ class RoundStream:
         signed_request: Signed,
         fragments: Callable[[], dict[bytes, bytes]],
         on_sent: Callable[[], None] | None = None,
+        on_decision: Callable[[pb.Decision], None] | None = None,
     ) -> tuple[Signed, pb.RoundResult]:
-        """Send the request, answer a missing_fragments refusal once, return the result."""
+        """Send the request, answer a missing_fragments refusal once, return the result.
+        `on_decision` hears the verifier's early decision on this round (unsigned: a hint)."""
         request = convert.request_to_pb(signed_request)
         sent_fragments = False
         await self._write(pb.ProposerMessage(request=request))
@@ -125,6 +128,9 @@ class RoundStream:
                         "a capture fragment does not hash to its digest",
                     )
                 self.captured_bytes += len(msg.fragment.data)
+            elif kind == "decision":
+                if on_decision is not None and msg.decision.round == request.round:
+                    on_decision(msg.decision)
             elif kind == "result":
                 return convert.result_from_pb(msg.result), msg.result
             elif kind == "error":

@@ -34,6 +34,9 @@ class RoundJob:
     state: SessionState
     request: RoundRequest
     digest: bytes
+    on_decided: Callable[[RoundDecision], None] | None = None
+    """Told the decision in the worker thread, before the round's commit (the early
+    decision the proposer may draft on); must not block."""
 
 
 class RoundComputer:

@@ -7,13 +7,15 @@ digests ride in trailing metadata `muser-reason` / `muser-missing`); on the Roun
 a refused request is answered in band with a RoundError and the stream stays open.
 
 Rounds: the first message must be Attach{session_id, epoch}. Then
-  RoundRequest -> capture Fragments (if any), then one RoundResult; or one RoundError
+  RoundRequest -> a Decision as soon as the round is decided (unsigned, before its commit: a
+                  hint), capture Fragments (if any), then one RoundResult; or one RoundError
   Fragment     -> staged (duplicates and reordering absorbed); a hash mismatch -> RoundError
   Ack          -> releases the fragments staged for rounds <= that round
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -61,6 +63,7 @@ from muser.errors import (
 from muser.keys import SignatureError
 from muser.metrics import DaemonView, status_fields
 from muser.records import Signed
+from muser.verify import RoundDecision
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -209,9 +212,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 session_id = msg.attach.session_id
                 continue
             if kind == "request":
-                with logs.round_scope(msg.request.session_id, msg.request.round):
-                    outs = await self._round(session_id, msg.request)
-                for out in outs:
+                async for out in self._round_messages(session_id, msg.request):
                     yield out
             elif kind == "fragment":
                 error = self._fragment(session_id, msg.fragment)
@@ -239,7 +240,34 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             )
         )
 
-    async def _round(self, session_id: bytes, request: pb.RoundRequest) -> list:
+    async def _round_messages(self, session_id: bytes, request: pb.RoundRequest):
+        """A round's messages as they come: its early decision (a hint the proposer may start
+        its next draft on, sent before the round's commit), then its capture fragments and
+        signed result, or its refusal."""
+        loop = asyncio.get_running_loop()
+        early: asyncio.Queue = asyncio.Queue()
+
+        def decided(d: RoundDecision) -> None:  # in the worker thread
+            msg = pb.VerifierMessage(
+                decision=pb.Decision(
+                    round=request.round,
+                    accepted=d.accepted,
+                    next_frontier=d.next_frontier,
+                    decoded=list(d.decoded),
+                )
+            )
+            loop.call_soon_threadsafe(early.put_nowait, msg)
+
+        with logs.round_scope(request.session_id, request.round):  # the task's log lines
+            task = asyncio.ensure_future(self._round(session_id, request, decided))
+        # the decision is queued before the round can finish (it is told before the commit)
+        task.add_done_callback(lambda _: early.put_nowait(None))
+        while (msg := await early.get()) is not None:
+            yield msg
+        for msg in task.result():
+            yield msg
+
+    async def _round(self, session_id: bytes, request: pb.RoundRequest, on_decided=None) -> list:
         where = f"session {request.session_id.hex()[:8]} round {request.round}"
         try:
             if request.session_id != session_id:
@@ -247,7 +275,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     f"request for session {request.session_id.hex()}; this stream is attached "
                     f"to {session_id.hex()}"
                 )
-            outcome = await self.manager.run_round(convert.request_from_pb(request))
+            signed = convert.request_from_pb(request)
+            outcome = await self.manager.run_round(signed, on_decided)
         except MuserError as exc:
             return [self._error(request.round, exc, where)]
         out = [

@@ -73,6 +73,7 @@ from muser.records import (
     tokens_from_bytes,
 )
 from muser.stats import VerifierStats
+from muser.verify import RoundDecision
 from verifier_gx import journal
 from verifier_gx.admission import (
     check_closure,
@@ -413,10 +414,14 @@ class SessionManager:
 
     # ---- the round transaction ------------------------------------------------------------
 
-    async def run_round(self, signed: Signed) -> RoundOutcome:
-        return await _background(self._round(signed))
+    async def run_round(
+        self, signed: Signed, on_decided: Callable[[RoundDecision], None] | None = None
+    ) -> RoundOutcome:
+        """Admit, compute, commit and sign one round (DESIGN.md §5). `on_decided` hears the
+        decision from the worker thread as soon as it is made, before the commit."""
+        return await _background(self._round(signed, on_decided))
 
-    async def _round(self, signed: Signed) -> RoundOutcome:
+    async def _round(self, signed: Signed, on_decided=None) -> RoundOutcome:
         request = request_of(signed)
         digest = sha256(signed.body)
         sid = request.session_id
@@ -452,7 +457,7 @@ class SessionManager:
             check_closure(state, request, self.fragments)
             check_drafts(state, request, self.target.vocab_size)
             check_decode(state, request, self.max_decode_len)
-            return await self._commit(state, request, digest)
+            return await self._commit(state, request, digest, on_decided)
 
     def _retry(self, state, request, digest, stored) -> RoundOutcome:
         stored_digest, stored_bytes = stored
@@ -468,9 +473,9 @@ class SessionManager:
         ]
         return RoundOutcome(stored_bytes, result, captures, {}, True)
 
-    async def _commit(self, state: SessionState, request: RoundRequest, digest: bytes):
+    async def _commit(self, state: SessionState, request: RoundRequest, digest: bytes, on_decided):
         try:
-            decided = await self.batcher.submit(RoundJob(state, request, digest))
+            decided = await self.batcher.submit(RoundJob(state, request, digest, on_decided))
         except RoundQueueFullError:
             self.stats.queue_full += 1
             raise
@@ -502,6 +507,12 @@ class SessionManager:
         ok = [i for i, d in enumerate(decided) if not isinstance(d, BaseException)]
         if not ok:
             return decided
+        for i in ok:  # the early decision: a hint, sent while the commit below runs
+            if jobs[i].on_decided is not None:
+                try:
+                    jobs[i].on_decided(decided[i][0])
+                except Exception as exc:  # a hint that cannot be sent changes nothing
+                    log.warning("the early decision of a round was not sent: %s", exc)
         t0 = self.clock()
         payloads = [journal.encode(journal.RoundEntry(jobs[i].digest, decided[i][4])) for i in ok]
         try:

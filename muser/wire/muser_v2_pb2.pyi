@@ -222,15 +222,29 @@ class ProposerMessage(_message.Message):
     ack: Ack
     def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., request: _Optional[_Union[RoundRequest, _Mapping]] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
 
+class Decision(_message.Message):
+    __slots__ = ("round", "accepted", "next_frontier", "decoded")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FRONTIER_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    accepted: int
+    next_frontier: int
+    decoded: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., decoded: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class VerifierMessage(_message.Message):
-    __slots__ = ("result", "fragment", "error")
+    __slots__ = ("result", "fragment", "error", "decision")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     result: RoundResult
     fragment: Fragment
     error: RoundError
-    def __init__(self, result: _Optional[_Union[RoundResult, _Mapping]] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., error: _Optional[_Union[RoundError, _Mapping]] = ...) -> None: ...
+    decision: Decision
+    def __init__(self, result: _Optional[_Union[RoundResult, _Mapping]] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., error: _Optional[_Union[RoundError, _Mapping]] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -257,3 +257,39 @@ async def test_a_failing_session_in_a_batch_fails_alone(key_set, tmp_path):
     assert runners[0].error is None and runners[0].session.emitted == local.tokens
     assert runners[2].error is None and runners[2].session.emitted == local.tokens
     assert max(draft.sizes) == 3  # they were batched when session 1 refused
+
+
+@pytest.mark.asyncio
+async def test_a_sessions_second_job_runs_after_its_first_never_beside_it(monkeypatch):
+    """A draft on the verifier's decision may be submitted while the speculation it replaces
+    still waits: the two share one cursor, so they run one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from proposer_mac import driver
+
+    order: list[str] = []
+
+    class Lone:
+        def __init__(self, name):
+            self.name, self.cursor = name, SimpleNamespace(name=name)
+
+        def run(self, steps):
+            order.append(f"{self.name}:{steps} alone")
+            return steps
+
+    def together(backend, work):
+        order.append("+".join(f"{c.name}:{s}" for c, s in work))
+        return [s for _, s in work]
+
+    monkeypatch.setattr(driver, "run_together", together)
+    a, b = Lone("a"), Lone("b")
+    pool, gate = ThreadPoolExecutor(max_workers=1), threading.Event()
+    pool.submit(gate.wait)  # the draft thread is busy: the three jobs wait together
+    queue = driver.DraftQueue(pool, batch_with=object())
+    futures = [queue.submit(a, "spec"), queue.submit(b, "draft"), queue.submit(a, "follow")]
+    gate.set()
+    results = [r for r, _ in await asyncio.gather(*futures)]
+    assert results == ["spec", "draft", "follow"]
+    assert order == ["a:spec+b:draft", "a:follow alone"]
+    pool.shutdown()

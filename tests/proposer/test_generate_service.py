@@ -248,7 +248,38 @@ async def test_lane_speculate_switches_latency_hiding_and_never_the_tokens(key_s
     (on, on_stats), (off, off_stats) = runs[True], runs[False]
     assert on == off and len(on) == PARAMS.max_tokens
     assert on_stats.speculated > 0 and off_stats.speculated == 0
-    assert on_stats.speculation_hits <= on_stats.speculated < on_stats.rounds
+    assert on_stats.speculated < on_stats.rounds
+    # a wrong guess is replaced by a draft on the verifier's early decision: every next
+    # draft was made ahead of its result
+    assert on_stats.decisions_followed > 0 and off_stats.decisions_followed == 0
+    assert on_stats.speculation_hits == on_stats.speculated
+
+
+@pytest.mark.asyncio
+async def test_a_decision_the_result_contradicts_changes_no_token(cluster, monkeypatch):
+    """The early decision is unsigned: a wrong one only wastes a draft."""
+    from proposer_mac.link import RoundStream
+
+    real, told = RoundStream.round_trip, []
+
+    async def lying(self, signed, fragments, on_sent=None, on_decision=None):
+        def lie(d):
+            told.append(d.round)
+            d = pb.Decision(
+                round=d.round, accepted=d.accepted, next_frontier=(d.next_frontier + 1) % 24
+            )
+            on_decision(d)
+
+        return await real(self, signed, fragments, on_sent, lie)
+
+    monkeypatch.setattr(RoundStream, "round_trip", lying)
+    runner = await cluster.server.core.start_session(PROMPT, PARAMS)
+    await runner.task
+    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, PARAMS)
+    assert runner.error is None and runner.session.emitted == local.tokens
+    stats = runner.stats
+    assert len(told) == stats.rounds and stats.decisions_followed > 0
+    assert stats.speculation_hits < stats.speculated  # the drafts on lies were dropped
 
 
 @pytest.mark.asyncio
@@ -347,11 +378,11 @@ async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, m
 
     real, refused = RoundStream.round_trip, []
 
-    async def busy_twice(self, signed, fragments, on_sent=None):
+    async def busy_twice(self, signed, fragments, *hooks):
         if len(refused) < 2:
             refused.append(signed)
             raise RoundRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "round_queue_full", "full")
-        return await real(self, signed, fragments, on_sent)
+        return await real(self, signed, fragments, *hooks)
 
     monkeypatch.setattr(RoundStream, "round_trip", busy_twice)
     runner = await cluster.server.core.start_session(PROMPT, PARAMS)
@@ -365,7 +396,7 @@ async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, m
 async def test_other_refusals_still_end_the_session(cluster, monkeypatch):
     from proposer_mac.link import RoundRefused, RoundStream
 
-    async def refuse(self, signed, fragments, on_sent=None):
+    async def refuse(self, signed, fragments, *hooks):
         raise RoundRefused(grpc.StatusCode.ABORTED, "head_mismatch", "head")
 
     monkeypatch.setattr(RoundStream, "round_trip", refuse)

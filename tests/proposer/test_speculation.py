@@ -1,5 +1,6 @@
-"""Speculative drafting (latency hiding): a draft made ahead on a guess is bit-for-bit the
-draft made after the result, and a missed guess leaves no trace on later drafts."""
+"""Speculative drafting (latency hiding): a draft made ahead on a guess, or on the
+verifier's early decision, is bit-for-bit the draft made after the result, and a missed
+guess or a decision the result contradicts leaves no trace on later drafts."""
 
 from __future__ import annotations
 
@@ -31,9 +32,21 @@ def models():
     return prompts, target, lambda: load_draft_backend("torch", pair.draft)
 
 
-def run(target, drafter, prompt, params, *, speculate: bool, stop_early: bool = False):
+def run(
+    target,
+    drafter,
+    prompt,
+    params,
+    *,
+    speculate: bool,
+    stop_early: bool = False,
+    follow: str | None = None,
+):
     """Rounds of the local lane; with `speculate`, every draft after the first comes from a
-    speculation when its guess held. Returns the proposals and (hits, misses)."""
+    speculation when its guess held. With `follow`, a missed guess is replaced by a draft on
+    the round's decision ("truth"), or on a decision the result then contradicts ("lie": its
+    next frontier is another token), as the driver does. Returns the proposals and (hits,
+    misses)."""
     target.reset()
     executor = TargetExecutor(target)
     rng, transcript, out = Mt19937.from_seed(params.seed), list(prompt), []
@@ -66,8 +79,18 @@ def run(target, drafter, prompt, params, *, speculate: bool, stop_early: bool = 
             greedy=params.greedy,
         )
         executor.settle(len(transcript), decision.accepted)
-        rng = decision.post_state
         emitted = decision.emitted(proposal.drafts)
+        left = TOKENS - len(out) - len(emitted)
+        if follow is not None and left >= 1:
+            told = list(emitted)
+            if follow == "lie":
+                told[-1] = (told[-1] + 1) % target.vocab_size
+            if not (spec is not None and spec.proposal is not None and spec.emitted == told):
+                steps = drafter.follow_steps(
+                    transcript, proposal, told, decision.post_state, plan_depth(4, left)
+                )
+                spec = drafter.run(steps)
+        rng = decision.post_state
         out += emitted
         transcript += emitted
     return proposals, (hits, misses)
@@ -97,6 +120,42 @@ def test_speculative_drafts_are_bitwise_the_drafts_made_after_the_result(models,
         totals[1] += misses
     if temperature == 0.0:  # greedy guesses hold often on the fixtures: both paths ran
         assert totals[0] > 0 and totals[1] > 0, f"hits, misses = {totals}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_on_a_decision_are_bitwise_the_drafts_made_after_the_result(models, temperature):
+    prompts, target, load_draft = models
+    params = SamplingParams(temperature=temperature, max_tokens=TOKENS, seed=11)
+    for prompt in prompts[:2]:
+        reference, _ = run(target, Drafter(load_draft(), params), prompt, params, speculate=False)
+        for speculate in (True, False):  # after a missed guess, or with no guess at all
+            followed, (hits, misses) = run(
+                target,
+                Drafter(load_draft(), params),
+                prompt,
+                params,
+                speculate=speculate,
+                follow="truth",
+            )
+            assert_same(reference, followed)
+            assert misses == 0 and hits == len(reference) - 1  # every next draft made ahead
+
+
+def test_a_decision_the_result_contradicts_leaves_the_cursor_as_a_plain_draft_would(models):
+    prompts, target, load_draft = models
+    params = SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=3)
+    reference, _ = run(target, Drafter(load_draft(), params), prompts[0], params, speculate=False)
+    for speculate in (True, False):
+        lied_to, (hits, misses) = run(
+            target,
+            Drafter(load_draft(), params),
+            prompts[0],
+            params,
+            speculate=speculate,
+            follow="lie",
+        )
+        assert misses > 0
+        assert_same(reference, lied_to)
 
 
 def test_a_stopped_speculation_leaves_the_cursor_as_a_plain_draft_would(models):

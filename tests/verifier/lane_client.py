@@ -44,6 +44,8 @@ class Stream:
 
     def __init__(self, stub: pb_grpc.VerifierStub) -> None:
         self.call = stub.Rounds()
+        self.decisions: list[pb.Decision] = []
+        """The early decisions the last round trip saw before its answer."""
 
     async def send(self, **kind) -> None:
         await self.call.write(pb.ProposerMessage(**kind))
@@ -61,18 +63,40 @@ class Stream:
         return msg
 
     async def round_trip(self, request: pb.RoundRequest) -> tuple[pb.VerifierMessage, list]:
-        """Send one request; return the result/error message and the fragments before it."""
+        """Send one request; return the result/error message and the fragments before it.
+        The early decisions before it are kept in `decisions` (a result's must agree)."""
         await self.send(request=request)
-        fragments = []
+        fragments, self.decisions = [], []
         while True:
             msg = await self.read()
-            if msg.WhichOneof("kind") != "fragment":
+            kind = msg.WhichOneof("kind")
+            if kind == "decision":
+                self.decisions.append(msg.decision)
+            elif kind == "fragment":
+                fragments.append(msg.fragment)
+            else:
+                if kind == "result":
+                    check_decision(self.decisions, msg.result)
                 return msg, fragments
-            fragments.append(msg.fragment)
 
     async def close(self) -> None:
         await self.call.done_writing()
         self.call.cancel()
+
+
+def check_decision(decisions: list, result: pb.RoundResult) -> None:
+    """A computed round's result follows one early decision that says what it says; a retry
+    answered from the log follows none."""
+    if not decisions:
+        return
+    assert len(decisions) == 1, decisions
+    d = decisions[0]
+    assert (d.round, d.accepted, d.next_frontier, list(d.decoded)) == (
+        result.round,
+        result.accepted,
+        result.next_frontier,
+        list(result.decoded),
+    )
 
 
 @dataclass
@@ -216,7 +240,9 @@ class LaneClient:
     async def step(self, stream: Stream) -> RoundResult:
         request = self.draft_request()
         msg, _ = await stream.round_trip(self.sign(request))
-        return self.accept(request, msg)
+        result = self.accept(request, msg)
+        assert len(stream.decisions) == 1, "a computed round's result follows its decision"
+        return result
 
     async def run(self, stream: Stream, rounds: int | None = None) -> None:
         count = 0

@@ -85,10 +85,12 @@ async def test_retry_returns_the_stored_bytes_and_writes_nothing(verifier):
         sent.append(client.sign(request))
         msg, _ = await stream.round_trip(sent[-1])
         client.accept(request, msg)
+        assert len(stream.decisions) == 1  # computed: its early decision came first
     seq, before = verifier.wal_seq, verifier.snapshot(client.session_id)
     for r in (2, 2, 0):  # the latest round twice, then the oldest one
         again, _ = await stream.round_trip(sent[r])
         assert again.WhichOneof("kind") == "result"
+        assert stream.decisions == []  # answered from the log: nothing was decided again
         assert convert.result_from_pb(again.result).encode() == client.results[r].encode()
     assert verifier.wal_seq == seq
     assert verifier.snapshot(client.session_id) == before
