@@ -46,15 +46,40 @@ class TcpProxy:
         self._loop.run_forever()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
+        if not self.delay_s:
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+            return
+        # a link with latency, not a queue: each chunk leaves delay_s after it arrived, in
+        # order, however close behind the one before it (sleeping delay_s per chunk would
+        # hold the second of two back-to-back messages for twice the delay)
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await chunks.get()) is not None:
+                due, data = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
                 writer.write(data)
                 await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        try:
+            while data := await reader.read(65536):
+                chunks.put_nowait((loop.time() + self.delay_s, data))
+            chunks.put_nowait(None)
+            await sender
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            sender.cancel()
             writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
