@@ -43,16 +43,18 @@ def test_back_to_back_messages_are_each_delayed_once_in_order(echo_server):
     """A link with latency, not a queue: the second of two messages sent close together
     arrives about when the first does, not one delay later."""
     delay = 0.05
-    with TcpProxy(echo_server, delay_s=delay) as proxy:
-        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as s:
-            start = time.perf_counter()
-            s.sendall(b"first.")
-            time.sleep(0.005)
-            s.sendall(b"second")
-            got = b""
-            while len(got) < 12:
-                got += s.recv(64)
-            elapsed = time.perf_counter() - start
+    with (
+        TcpProxy(echo_server, delay_s=delay) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as s,
+    ):
+        start = time.perf_counter()
+        s.sendall(b"first.")
+        time.sleep(0.005)
+        s.sendall(b"second")
+        got = b""
+        while len(got) < 12:
+            got += s.recv(64)
+        elapsed = time.perf_counter() - start
     assert got == b"first.second"
     assert 2 * delay <= elapsed < 3 * delay  # a queue would take 4 delays for the second
 

@@ -96,6 +96,12 @@ def run(
     return proposals, (hits, misses)
 
 
+def fresh(models, prompt, params, **how):
+    """`run` with a new drafter on a new draft backend."""
+    _, target, load_draft = models
+    return run(target, Drafter(load_draft(), params), prompt, params, **how)
+
+
 def assert_same(reference, speculative):
     assert len(reference) == len(speculative)
     for i, (a, b) in enumerate(zip(reference, speculative, strict=True)):
@@ -124,52 +130,33 @@ def test_speculative_drafts_are_bitwise_the_drafts_made_after_the_result(models,
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafts_on_a_decision_are_bitwise_the_drafts_made_after_the_result(models, temperature):
-    prompts, target, load_draft = models
+    prompts = models[0]
     params = SamplingParams(temperature=temperature, max_tokens=TOKENS, seed=11)
     for prompt in prompts[:2]:
-        reference, _ = run(target, Drafter(load_draft(), params), prompt, params, speculate=False)
+        reference, _ = fresh(models, prompt, params, speculate=False)
         for speculate in (True, False):  # after a missed guess, or with no guess at all
-            followed, (hits, misses) = run(
-                target,
-                Drafter(load_draft(), params),
-                prompt,
-                params,
-                speculate=speculate,
-                follow="truth",
+            followed, (hits, misses) = fresh(
+                models, prompt, params, speculate=speculate, follow="truth"
             )
             assert_same(reference, followed)
             assert misses == 0 and hits == len(reference) - 1  # every next draft made ahead
 
 
 def test_a_decision_the_result_contradicts_leaves_the_cursor_as_a_plain_draft_would(models):
-    prompts, target, load_draft = models
+    prompts = models[0]
     params = SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=3)
-    reference, _ = run(target, Drafter(load_draft(), params), prompts[0], params, speculate=False)
+    reference, _ = fresh(models, prompts[0], params, speculate=False)
     for speculate in (True, False):
-        lied_to, (hits, misses) = run(
-            target,
-            Drafter(load_draft(), params),
-            prompts[0],
-            params,
-            speculate=speculate,
-            follow="lie",
-        )
+        lied_to, (_, misses) = fresh(models, prompts[0], params, speculate=speculate, follow="lie")
         assert misses > 0
         assert_same(reference, lied_to)
 
 
 def test_a_stopped_speculation_leaves_the_cursor_as_a_plain_draft_would(models):
-    prompts, target, load_draft = models
+    prompts = models[0]
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, seed=0)
-    reference, _ = run(target, Drafter(load_draft(), params), prompts[0], params, speculate=False)
-    stopped, (hits, _) = run(
-        target,
-        Drafter(load_draft(), params),
-        prompts[0],
-        params,
-        speculate=True,
-        stop_early=True,
-    )
+    reference, _ = fresh(models, prompts[0], params, speculate=False)
+    stopped, (hits, _) = fresh(models, prompts[0], params, speculate=True, stop_early=True)
     assert hits == 0
     assert_same(reference, stopped)
 
