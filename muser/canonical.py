@@ -28,6 +28,27 @@ class CanonicalError(RefusedError):
     """Bytes that are not a valid canonical encoding of the expected record."""
 
 
+def pack_u32s(vs: np.ndarray) -> bytes:
+    """An integer array already known to lie in u32 as little-endian u32s (no count);
+    `Writer.u32s` checks the range first, as `struct` would."""
+    return vs.astype("<u4").tobytes()
+
+
+def pack_f64s(vs: np.ndarray) -> bytes:
+    """A float array as little-endian f64s (no count): IEEE-754 bits as `struct` writes them."""
+    return np.asarray(vs).astype("<f8").tobytes()
+
+
+def unpack_u32s(data: bytes | memoryview) -> np.ndarray:
+    """`pack_u32s` read back, as int64 (the caller's own array); whole u32s only."""
+    return np.frombuffer(data, dtype="<u4").astype(np.int64)
+
+
+def unpack_f64s(data: bytes | memoryview) -> np.ndarray:
+    """`pack_f64s` read back, as float64 (the caller's own array); whole f64s only."""
+    return np.frombuffer(data, dtype="<f8").astype(np.float64)
+
+
 class Writer:
     def __init__(self, domain: str) -> None:
         d = domain.encode("ascii")
@@ -62,7 +83,7 @@ class Writer:
         if isinstance(vs, np.ndarray) and vs.ndim == 1 and vs.dtype.kind in "iu":
             if vs.size and (int(vs.min()) < 0 or int(vs.max()) >= 2**32):
                 raise struct.error(f"u32 out of range: {vs.min()}..{vs.max()}")
-            self.buf += struct.pack("<I", vs.size) + vs.astype("<u4").tobytes()
+            self.buf += struct.pack("<I", vs.size) + pack_u32s(vs)
             return self  # the same bytes as the loop below, in one vector pass
         vs = list(vs)
         self.buf += struct.pack(f"<I{len(vs)}I", len(vs), *vs)
@@ -70,8 +91,8 @@ class Writer:
 
     def f64s(self, vs: Iterable[float]) -> Writer:
         if isinstance(vs, np.ndarray) and vs.ndim == 1 and vs.dtype.kind == "f":
-            self.buf += struct.pack("<I", vs.size) + vs.astype("<f8").tobytes()
-            return self  # IEEE-754 bits as struct writes them, in one vector pass
+            self.buf += struct.pack("<I", vs.size) + pack_f64s(vs)
+            return self  # the same bytes as the loop below, in one vector pass
         vs = list(vs)
         self.buf += struct.pack(f"<I{len(vs)}d", len(vs), *vs)
         return self
@@ -132,13 +153,11 @@ class Reader:
 
     def u32_array(self) -> np.ndarray:
         """`u32s` as an int64 array (one vector pass, for long rows)."""
-        n = self.u32()
-        return np.frombuffer(self._take(4 * n), dtype="<u4").astype(np.int64)
+        return unpack_u32s(self._take(4 * self.u32()))
 
     def f64_array(self) -> np.ndarray:
         """`f64s` as a float64 array (one vector pass, for long rows)."""
-        n = self.u32()
-        return np.frombuffer(self._take(8 * n), dtype="<f8").astype(np.float64)
+        return unpack_f64s(self._take(8 * self.u32()))
 
     def blobs(self) -> list[bytes]:
         return [self.blob() for _ in range(self.u32())]

@@ -1,4 +1,5 @@
-"""Round geometry, the carried frontier and the draft row's default width (DESIGN.md §4), shared by every lane.
+"""Round geometry, the carried frontier and the draft row's default width (DESIGN.md §4),
+shared by every lane.
 
 A session's transcript is the prompt followed by every emitted token; its last token is the
 frontier (the last prompt token at genesis). The target's KV covers the transcript minus the

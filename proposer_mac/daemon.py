@@ -165,12 +165,13 @@ class ProposerCore:
             sessions = self._replayed(lambda seq: last.__setitem__(0, seq))
             if not last[0]:
                 return None
-            data = journal.snapshot_of(sessions, self.config.limits.finished_sessions)
+            keep = self.config.limits.finished_sessions
+            data = journal.snapshot_of(sessions, keep)
             snap = self.log.write_snapshot(data, last[0])
             self._compacted_at = self.journal_bytes()
             log.info(
                 "journal snapshot at seq %d: %d sessions, %d bytes; %d bytes of segments left",
-                snap.seq, len(journal.decode_snapshot(data)), len(data), self._compacted_at,
+                snap.seq, len(journal.retained(sessions, keep)), len(data), self._compacted_at,
             )  # fmt: skip
             return snap
 

@@ -94,14 +94,21 @@ def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
     return sessions
 
 
-def snapshot_of(sessions: dict[bytes, JournaledSession], keep_finished: int) -> bytes:
-    """The snapshot of replayed `sessions`: every unfinished one and the `keep_finished`
-    latest finished ones (journal order), each as replay leaves it."""
+def retained(
+    sessions: dict[bytes, JournaledSession], keep_finished: int
+) -> dict[bytes, JournaledSession]:
+    """What a snapshot keeps of replayed `sessions`: every unfinished one and the
+    `keep_finished` latest finished ones (journal order)."""
     finished = [sid for sid, s in sessions.items() if s.done]
     dropped = set(finished[: max(0, len(finished) - keep_finished)])
-    kept = [s for sid, s in sessions.items() if sid not in dropped]
+    return {sid: s for sid, s in sessions.items() if sid not in dropped}
+
+
+def snapshot_of(sessions: dict[bytes, JournaledSession], keep_finished: int) -> bytes:
+    """The snapshot of replayed `sessions` (`retained`), each as replay leaves it."""
+    kept = retained(sessions, keep_finished)
     w = Writer(SNAPSHOT_DOMAIN).u32(len(kept))
-    for s in kept:
+    for s in kept.values():
         w.blob(s.open.encode()).u64(s.epoch).u32s(s.prompt).u32(s.draft_len)
         w.blobs(signed.encode() for signed in s.committed)
         w.blob(s.prepared.encode() if s.prepared is not None else b"").u32(int(s.done))

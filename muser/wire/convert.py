@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from muser.canonical import CanonicalError
+from muser.canonical import CanonicalError, pack_f64s, pack_u32s, unpack_f64s, unpack_u32s
 from muser.records import (
     Identity,
     RoundRequest,
@@ -93,11 +93,9 @@ def open_from_pb(m: pb.OpenSessionRequest) -> SessionOpen:
 
 
 def row_to_pb(q: SparseRow) -> pb.SparseRow:
-    """A draft row as two packed little-endian arrays (u32 ids, f64 weights)."""
-    return pb.SparseRow(
-        ids=np.asarray(q.ids).astype("<u4").tobytes(),
-        weights=np.asarray(q.weights).astype("<f8").tobytes(),
-    )
+    """A draft row as two packed little-endian arrays (u32 ids, f64 weights). The ids are in
+    u32: the request's canonical encoding, signed before this, refuses any that is not."""
+    return pb.SparseRow(ids=pack_u32s(np.asarray(q.ids)), weights=pack_f64s(q.weights))
 
 
 def row_from_pb(m: pb.SparseRow, i: int) -> SparseRow:
@@ -108,8 +106,7 @@ def row_from_pb(m: pb.SparseRow, i: int) -> SparseRow:
             f"draft row {i}: ids must be packed u32 (a multiple of 4 bytes) and weights packed "
             f"f64 (a multiple of 8 bytes), got {len(m.ids)} and {len(m.weights)} bytes"
         )
-    ids = np.frombuffer(m.ids, dtype="<u4").astype(np.int64)
-    return SparseRow(ids, np.frombuffer(m.weights, dtype="<f8").astype(np.float64))
+    return SparseRow(unpack_u32s(m.ids), unpack_f64s(m.weights))
 
 
 def request_to_pb(signed: Signed) -> pb.RoundRequest:
