@@ -7,6 +7,7 @@ session and sign it. The WAL commit and the state change stay with the session
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -26,6 +27,8 @@ from verifier_gx.executor import witness_each
 from verifier_gx.journal import SessionState
 from verifier_gx.kvpool import KvPool
 
+log = logging.getLogger("muser.verifier")
+
 
 @dataclass(frozen=True)
 class RoundJob:
@@ -35,8 +38,16 @@ class RoundJob:
     request: RoundRequest
     digest: bytes
     on_decided: Callable[[RoundDecision], None] | None = None
-    """Told the decision in the worker thread, before the round's commit (the early
-    decision the proposer may draft on); must not block."""
+    """Told the decision in the worker thread as soon as it is judged, before the result is
+    signed and committed (the early decision the proposer may draft on); must not block."""
+
+
+def _tell(job: RoundJob, decision: RoundDecision) -> None:
+    """Hand `job` its early decision; a hint that cannot be sent changes nothing."""
+    try:
+        job.on_decided(decision)
+    except Exception as exc:
+        log.warning("the early decision of a round was not sent: %s", exc)
 
 
 class RoundComputer:
@@ -63,6 +74,9 @@ class RoundComputer:
             t0 = self.clock()
             computed = self._compute_batch(jobs)
             share = (self.clock() - t0) / len(jobs)
+        for job, c in zip(jobs, computed, strict=True):
+            if job.on_decided is not None and not isinstance(c, BaseException):
+                _tell(job, c[0])  # the early decision: before signing and the commit
         out: list[tuple | BaseException] = []
         for job, c in zip(jobs, computed, strict=True):
             if isinstance(c, BaseException):

@@ -507,12 +507,6 @@ class SessionManager:
         ok = [i for i, d in enumerate(decided) if not isinstance(d, BaseException)]
         if not ok:
             return decided
-        for i in ok:  # the early decision: a hint, sent while the commit below runs
-            if jobs[i].on_decided is not None:
-                try:
-                    jobs[i].on_decided(decided[i][0])
-                except Exception as exc:  # a hint that cannot be sent changes nothing
-                    log.warning("the early decision of a round was not sent: %s", exc)
         t0 = self.clock()
         payloads = [journal.encode(journal.RoundEntry(jobs[i].digest, decided[i][4])) for i in ok]
         try:

@@ -182,3 +182,51 @@ async def test_status_and_health(verifier):
     for service in ("", "muser.v2.Verifier"):
         reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class _CountingKey:
+    """The verifier's signing key, counting its signatures."""
+
+    def __init__(self, key) -> None:
+        self.key, self.signed = key, 0
+
+    def sign(self, body: bytes) -> bytes:
+        self.signed += 1
+        return self.key.sign(body)
+
+
+def as_message(outcome) -> pb.VerifierMessage:
+    """A `SessionManager.run_round` outcome as the stream carries it."""
+    signed = Signed.decode(outcome.signed)
+    result = convert.result_to_pb(Signed(signed.body, signed.signature, outcome.result))
+    return pb.VerifierMessage(result=result)
+
+
+async def test_the_decision_is_told_before_the_result_is_signed_or_committed(verifier, caplog):
+    client = verifier.client(GREEDY)
+    await client.open_session()
+    counting = _CountingKey(verifier.manager.computer.signing_key)
+    verifier.manager.computer.signing_key = counting
+    seen = []
+
+    def decided(d) -> None:  # in the worker thread
+        seen.append((d.accepted, counting.signed, verifier.wal_seq))
+
+    request = client.draft_request()
+    seq = verifier.wal_seq
+    outcome = await verifier.manager.run_round(convert.request_from_pb(client.sign(request)),
+                                               decided)  # fmt: skip
+    assert seen == [(outcome.result.accepted, 0, seq)]  # nothing signed, nothing written yet
+    assert counting.signed == 1 and verifier.wal_seq == seq + 1
+
+    def broken(d) -> None:
+        raise RuntimeError("injected: the stream is gone")
+
+    client.accept(request, as_message(outcome))
+    request = client.draft_request()
+    with caplog.at_level("WARNING", logger="muser.verifier"):
+        outcome = await verifier.manager.run_round(
+            convert.request_from_pb(client.sign(request)), broken
+        )
+    assert outcome.result.round == 1 and verifier.wal_seq == seq + 2  # committed all the same
+    assert "the early decision of a round was not sent: injected" in caplog.text

@@ -216,6 +216,7 @@ class TorchBackend:
         self.dtype = dtype
         self._torch = torch
         self._model = self._load(path, rope_theta, getattr(torch, dtype))
+        self._mask_dtype = self._model.dtype  # read once: the property walks every parameter
         # transformers 5.2x renamed `past_key_values` to `cache`; older 5.x only knows the first.
         params = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -364,7 +365,7 @@ class TorchBackend:
         last = lengths[:, None] + torch.minimum(steps[None, :], torch.tensor(counts)[:, None] - 1)
         cache = _BatchKv(seqs, counts)
         visible = torch.arange(cache.total)[None, None, :] <= last[:, :, None]
-        dtype = self._model.dtype
+        dtype = self._mask_dtype
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(
             ~visible, torch.finfo(dtype).min
         )
