@@ -167,6 +167,16 @@ class Lane(_Strict):
         description="Draft round r+1 while round r is at the verifier, on the guess that r is "
         "fully accepted (latency hiding; never changes the tokens).",
     )
+    speculate_branches: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="Greedy: speculate on more outcomes than full acceptance at once: the "
+        "rejection of each of the first N drafts, with the draft's runner-up there as the "
+        "target's pick, each on a clone of the draft KV, drafted together with the "
+        "full-acceptance guess in one batched forward per step (needs draft_batch and a "
+        "torch draft; 0: full acceptance only; never changes the tokens).",
+    )
     draft_batch: bool = Field(
         True,
         description="Draft the rounds of sessions waiting in the proposer's draft thread "

@@ -16,6 +16,7 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_emitted_tokens_total              counter    tokens emitted (accepted + next frontier)
     muser_speculated_rounds_total           counter    rounds drafted ahead (latency hiding)
     muser_speculation_hits_total            counter    speculative drafts used (guess held)
+    muser_speculation_branch_hits_total     counter    hits after a rejected draft (greedy branches)
     muser_decisions_followed_total          counter    next drafts started on an early decision
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
@@ -274,6 +275,12 @@ class StatsCollector(Collector):
                 "muser_speculation_hits",
                 "Speculative drafts used because their guess held (proposer).",
                 lane.speculation_hits,
+            ),
+            (
+                "muser_speculation_branch_hits",
+                "Speculation hits on rounds that rejected a draft: the draft's runner-up there "
+                "was the target's pick (proposer, greedy branches).",
+                lane.branch_hits,
             ),
             (
                 "muser_decisions_followed",

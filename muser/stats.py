@@ -131,6 +131,9 @@ class LaneStats:
     """Rounds drafted ahead, on the guess that the round before is fully accepted."""
     speculation_hits: int = 0
     """Speculative drafts used (the guess held); the rest were drafted again."""
+    branch_hits: int = 0
+    """Speculation hits on a round that rejected a draft: the guess drafted on the draft's
+    runner-up at the rejection held (greedy branches)."""
     decisions_followed: int = 0
     """Next drafts started on the verifier's early decision, before its signed result,
     because the guess was wrong or missing (used when the result agreed: a hit)."""
@@ -192,7 +195,7 @@ class LaneStats:
         for name in (
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
-            "queue_full_retries", "decisions_followed",
+            "queue_full_retries", "decisions_followed", "branch_hits",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -249,6 +252,7 @@ class LaneStats:
             "speculation": {
                 "rounds": self.speculated,
                 "hits": self.speculation_hits,
+                "branch_hits": self.branch_hits,
                 "on_decision": self.decisions_followed,
                 "seconds": round(self.speculation_s, 6),
             },

@@ -86,6 +86,7 @@ class ProposerCore:
             log=self.log,
             channel=self.channel,
             speculate=config.lane.speculate,
+            branches=config.lane.speculate_branches,
             batch_with=draft if self.draft_batch else None,
         )
         self._background: set[asyncio.Future] = set()

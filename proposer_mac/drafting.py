@@ -20,6 +20,14 @@ its commit and its signed result (an unsigned hint). When the speculation guesse
 `follow_steps` drafts the next round on that outcome at once: again the post-result draft,
 made earlier; the signed result still decides whether it is used.
 
+Branches (greedy): rather than one guess, `branch_steps` drafts the next round on full
+acceptance and on the rejection of each of the first N drafts, the target's pick there
+guessed to be the draft's runner-up (`Draft.runners_up`), each on a clone of the session's
+draft sequence, all in one batched forward per step. The drafter's own cursor does not
+move; the branch whose guess the result confirms is adopted (its clone becomes the session's
+sequence), the other clones are dropped. A batched row may differ from a lone one in its
+last bits, which can move a draft but never a greedy token (each is the target's pick).
+
 Batched drafting: a draft and a speculation are written as *steps*, generators that yield
 the tokens whose rows they need next and receive those rows. `Drafter.draft` feeds one from
 its own cursor (`KvCursor.extend`); `run_together` feeds the steps of several sessions,
@@ -35,12 +43,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
-from muser.backend import ModelBackend, MultiSequenceBackend
+from muser.backend import ModelBackend, MultiSequenceBackend, batches
 from muser.cursor import KvCursor
 from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
@@ -52,6 +60,9 @@ from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, 
 class Draft:
     drafts: list[int]
     q_rows: list[SparseRow]
+    runners_up: list[int] = field(default_factory=list)
+    """Greedy: at each draft position, the draft's best token after the draft itself, its
+    guess at what the target picks there when it rejects the draft (empty when sampling)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,15 @@ class Speculation:
     depth: int
     proposal: Draft | None
     """None when the speculation was stopped or the guess ends the session."""
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One guessed outcome of the round in flight, drafted on its own clone of the draft KV
+    (`Drafter.branch_steps`); adopting it makes that clone the drafter's cursor."""
+
+    speculation: Speculation
+    cursor: KvCursor
 
 
 T = TypeVar("T")
@@ -124,19 +144,28 @@ class Drafter:
         return (yield from self._draft(transcript, state, depth, stop))
 
     def _draft(
-        self, transcript: Sequence[int], state: Mt19937, depth: int, stop: threading.Event | None
+        self,
+        transcript: Sequence[int],
+        state: Mt19937,
+        depth: int,
+        stop: threading.Event | None,
+        cursor: KvCursor | None = None,
     ) -> Steps[Draft]:
+        """Draft on `cursor` (default: the drafter's own; a branch drafts on its clone)."""
         if depth == 0:
             return Draft([], [])
+        cursor = cursor or self.cursor
         rng = state.copy()
-        todo = self.cursor.prepare(transcript)
-        row = (yield todo)[-1] if todo else self.cursor.last_row
+        todo = cursor.prepare(transcript)
+        row = (yield todo)[-1] if todo else cursor.last_row
         drafts: list[int] = []
         q_rows: list[SparseRow] = []
+        runners_up: list[int] = []
         for i in range(depth):
             q = draft_row(row, self.params, self.q_top_k)
             if self.params.greedy:
                 token = int(q.ids[argmax_lowest(q.weights)])
+                runners_up.append(runner_up(row, token))
             else:
                 token = int(q.ids[sample_ordered(q.weights, rng.uniform_f64())])
             drafts.append(token)
@@ -145,7 +174,7 @@ class Drafter:
                 if stop is not None and stop.is_set():
                     raise Stopped
                 row = (yield [token])[-1]
-        return Draft(drafts, q_rows)
+        return Draft(drafts, q_rows, runners_up)
 
     def speculate(
         self,
@@ -222,6 +251,97 @@ class Drafter:
         proposal = yield from self._draft([*transcript, *emitted], post, depth, None)
         return Speculation(list(emitted), depth, proposal)
 
+    @property
+    def can_branch(self) -> bool:
+        """Whether `branch_steps` can run here: greedy drafts on a sequence that clones."""
+        backend = self.cursor.backend
+        return (
+            self.params.greedy
+            and callable(getattr(backend, "clone", None))
+            and batches(getattr(backend, "owner", None))
+        )
+
+    def branch_steps(
+        self,
+        transcript: Sequence[int],
+        current: Draft,
+        depths: Sequence[int | None],
+        stop_tokens: Sequence[int],
+        stop: threading.Event,
+        guesses: list[list[int]],
+    ) -> Steps[list[Branch]]:
+        """Greedy: draft the round after `current` on every outcome the draft can guess at
+        once, while `current` is at the verifier. Rejected at draft k (k < D), the target
+        emits drafts[:k] then its own pick, guessed to be the draft's runner-up there; fully
+        accepted, it emits every draft then the bonus, guessed to be the draft's own pick.
+        `depths[k]` is the next round's D after outcome k (None: the session ends there).
+
+        Each guess drafts on a clone of the draft KV, all of them in one batched forward
+        per step (`run_together`); the drafter's own cursor does not move, so a miss drafts
+        from there as before. `guesses` is given each guessed emission as soon as it is known
+        (before it is drafted on). The forwards run here, not in the queue's driver: the
+        steps ask it for none. Greedy drafts do not depend on the MT state (no draws)."""
+        return self._branch(transcript, current, depths, stop_tokens, stop, guesses)
+        yield  # a generator: the draft thread's queue runs it like any other job
+
+    def _branch(self, transcript, current, depths, stop_tokens, stop, guesses) -> list[Branch]:
+        depth = len(current.drafts)
+        held = [*transcript, *current.drafts[:-1]]
+        if (
+            depth == 0
+            or len(current.runners_up) != depth
+            or len(depths) != depth + 1
+            or not self.cursor.holds(held)
+            or self.cursor.last_row is None
+        ):
+            return []
+        none = Mt19937.from_seed(0)  # greedy drafting draws nothing
+        work: list[tuple[KvCursor, Steps]] = []
+        for k in range(depth):
+            emitted = [*current.drafts[:k], current.runners_up[k]]
+            if depths[k] is not None and not any(t in stop_tokens for t in emitted):
+                guesses.append(emitted)  # read by the event loop's thread: one append
+                cursor = self._clone()
+                steps = self._draft([*transcript, *emitted], none, depths[k], stop, cursor)
+                work.append((cursor, _speculation(emitted, depths[k], steps)))
+        if depths[depth] is not None:
+            cursor = self._clone()
+            work.append((cursor, self._accepted_branch(
+                transcript, current, cursor, depths[depth], stop_tokens, stop, guesses
+            )))  # fmt: skip
+        results = run_together(self.cursor.backend.owner, work)
+        return [
+            Branch(spec, cursor)
+            for (cursor, _), spec in zip(work, results, strict=True)
+            if isinstance(spec, Speculation)
+        ]
+
+    def _accepted_branch(
+        self, transcript, current, cursor, depth, stop_tokens, stop, guesses
+    ) -> Steps[Speculation]:
+        """The full-acceptance guess on `cursor`: the bonus is the draft's own pick."""
+        row = (yield [current.drafts[-1]])[-1]
+        emitted = [*current.drafts, argmax_lowest(row)]
+        guesses.append(emitted)  # read by the event loop's thread: one append
+        if any(t in stop_tokens for t in emitted):
+            return Speculation(emitted, depth, None)
+        steps = self._draft([*transcript, *emitted], Mt19937.from_seed(0), depth, stop, cursor)
+        return (yield from _speculation(emitted, depth, steps))
+
+    def _clone(self) -> KvCursor:
+        """A cursor on a clone of this drafter's sequence, holding what it holds."""
+        cursor = KvCursor(self.cursor.backend.clone())
+        cursor.tokens, cursor.last_row = list(self.cursor.tokens), self.cursor.last_row
+        cursor.backend._muser_cursor = cursor
+        return cursor
+
+    def adopt_branch(self, branch: Branch) -> None:
+        """`branch`'s guess held: its clone becomes this drafter's sequence (the old one's KV
+        is dropped), standing where the post-result draft would have left it."""
+        old, self.cursor = self.cursor.backend, branch.cursor
+        old.reset()
+        self._checkpoint = None
+
     def adopt(self) -> None:
         """The guess held: the cursor already stands where the post-result draft left it."""
         self._checkpoint = None
@@ -294,3 +414,19 @@ def _evaluate_together(
     for (cursor, tokens), got in zip(asks.values(), rows, strict=True):
         cursor.record(tokens, got)
     return dict(zip(asks, rows, strict=True))
+
+
+def runner_up(row: np.ndarray, token: int) -> int:
+    """The best id of `row` other than `token` (the lowest on ties, as `argmax_lowest`)."""
+    rest = np.array(row, dtype=np.float64)
+    rest[token] = -np.inf
+    return argmax_lowest(rest)
+
+
+def _speculation(emitted: list[int], depth: int, steps: Steps[Draft]) -> Steps[Speculation]:
+    """`steps`' draft as the speculation on `emitted`; stopped, it drafted nothing."""
+    try:
+        proposal = yield from steps
+    except Stopped:
+        return Speculation(emitted, depth, None)
+    return Speculation(emitted, depth, proposal)

@@ -32,7 +32,7 @@ from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
-from proposer_mac.drafting import Draft, Drafter, Steps, run_together
+from proposer_mac.drafting import Branch, Draft, Drafter, Steps, run_together
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
@@ -54,6 +54,31 @@ class Speculating:
     emitted: list[int] = field(default_factory=list)
     """Everything it assumes the round emits; a guess fills it in the draft thread once its
     bonus token is picked (empty until then)."""
+    branches: list[list[int]] = field(default_factory=list)
+    """Branches (`Drafter.branch_steps`): every emission guessed so far, filled in the draft
+    thread; its full-acceptance guess is the one `drafts` announces."""
+
+    def drafts_on(self, emitted: list[int]) -> bool:
+        """Whether it drafts, or may yet draft, on a round that emits `emitted`."""
+        return emitted == self.emitted or emitted in self.branches
+
+    def may_draft_on(self, emitted: list[int]) -> bool:
+        """`drafts_on`, or its full-acceptance guess is not yet known and may be this."""
+        return emitted[:-1] == self.drafts or self.drafts_on(emitted)
+
+    def drop(self) -> None:
+        """Its draft will not be used: stop it between two forwards, and once it ends drop
+        the KV of any clones it drafted on (the draft thread no longer touches them)."""
+        self.stop.set()
+        self.future.add_done_callback(_release)
+
+
+def _release(future: asyncio.Future) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    result, _ = future.result()
+    for branch in result if isinstance(result, list) else []:
+        branch.cursor.backend.reset()
 
 
 class SessionRunner:
@@ -132,10 +157,15 @@ class SessionRunner:
 
     def _start_speculation(self, proposal: Draft) -> Speculating | None:
         """Draft the round after this one, guessing it is fully accepted (see drafting.py),
-        while this one is at the verifier. None when this round ends the session anyway."""
+        while this one is at the verifier; greedy with `branches`, on every outcome the
+        draft can guess. None when this round ends the session anyway."""
         s = self.session
         remaining = s.params.max_tokens - len(s.emitted) - len(proposal.drafts) - 1
-        if not self.core.speculate or not proposal.drafts or remaining < 1:
+        if not self.core.speculate or not proposal.drafts:
+            return None
+        if self.core.branches > 0 and self.drafter.can_branch:
+            return self._start_branches(proposal)
+        if remaining < 1:
             return None
         depth = s.width.peek(len(proposal.drafts), remaining)
         stop, guess = threading.Event(), []
@@ -144,6 +174,27 @@ class SessionRunner:
         )
         future = self.core.drafts.submit(self.drafter, steps)
         return Speculating(future, stop, proposal.drafts, guess)
+
+    def _start_branches(self, proposal: Draft) -> Speculating | None:
+        """Branches: the outcomes "rejected at draft k" for the first `core.branches` k,
+        and full acceptance. Outcome k emits k + 1 tokens; one that reaches max_tokens ends
+        the session, and one past the branches is left to the decision (None: not drafted)."""
+        s, depth = self.session, len(proposal.drafts)
+        left = s.params.max_tokens - len(s.emitted)
+        depths = [
+            s.width.peek(depth, left - k - 1, k)
+            if left - k - 1 >= 1 and (k < self.core.branches or k == depth)
+            else None
+            for k in range(depth + 1)
+        ]
+        if all(d is None for d in depths):
+            return None
+        stop, guesses = threading.Event(), []
+        steps = self.drafter.branch_steps(
+            list(s.transcript), proposal, depths, s.params.stop_tokens, stop, guesses
+        )
+        future = self.core.drafts.submit(self.drafter, steps)
+        return Speculating(future, stop, proposal.drafts, branches=guesses)
 
     def _follow_decision(
         self, spec: Speculating | None, current: Draft, d: pb.Decision
@@ -157,7 +208,7 @@ class SessionRunner:
         if not self.core.speculate or depth == 0 or d.accepted > depth:
             return spec
         emitted = [*current.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
-        if spec is not None and spec.emitted == emitted:
+        if spec is not None and spec.drafts_on(emitted):
             return spec  # the guess was right (or this decision came before): keep drafting
         clip = clip_emission(emitted, len(s.emitted), s.params.max_tokens, s.params.stop_tokens)
         if clip.done:
@@ -169,8 +220,7 @@ class SessionRunner:
             list(s.transcript), current, emitted, advance(s.state, draws), next_depth
         )
         if spec is not None:
-            spec.stop.set()  # its draft is dropped; it ends between two forwards
-            spec.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            spec.drop()
         self.stats.decisions_followed += 1
         future = self.core.drafts.submit(self.drafter, steps)
         return Speculating(future, threading.Event(), emitted[:-1], emitted)
@@ -182,22 +232,37 @@ class SessionRunner:
         the one drafted ahead (on a guess, or on the verifier's decision) when it drafted on
         what the round emitted, else a new one."""
         if speculation is not None:
-            if tokens[:-1] != speculation.drafts:
+            if not speculation.may_draft_on(tokens):
                 speculation.stop.set()  # not what it drafted on: stop between two forwards
             t0, ready = time.perf_counter(), speculation.future.done()
             spec, seconds = await speculation.future
             self.stats.speculation_s += seconds
             self.stats.speculated += 1
             s = self.session
-            if (
-                spec is not None
-                and spec.proposal is not None
-                and spec.emitted == tokens
-                and spec.depth == s.width.choose(s.params.max_tokens - len(s.emitted))
-            ):
+            depth = s.width.choose(s.params.max_tokens - len(s.emitted))
+            held = None
+            for c in spec if isinstance(spec, list) else [spec]:
+                guess = c.speculation if isinstance(c, Branch) else c
+                if (
+                    held is None
+                    and guess is not None
+                    and guess.proposal is not None
+                    and guess.emitted == tokens
+                    and guess.depth == depth
+                ):
+                    held = c
+                elif isinstance(c, Branch):
+                    c.cursor.backend.reset()  # a clone whose guess failed: its KV goes
+            if held is not None:
                 self.stats.speculation_hits += 1
-                self.drafter.adopt()
-                return spec.proposal, 0.0 if ready else time.perf_counter() - t0
+                if isinstance(held, Branch):
+                    self.drafter.adopt_branch(held)
+                    if len(tokens) <= len(speculation.drafts):  # a draft was rejected
+                        self.stats.branch_hits += 1
+                    held = held.speculation
+                else:
+                    self.drafter.adopt()
+                return held.proposal, 0.0 if ready else time.perf_counter() - t0
         return await self._start_draft()
 
     async def _drive(self) -> None:
@@ -299,7 +364,7 @@ class SessionRunner:
             if not s.done and not self.cancelled:  # the next draft overlaps COMMITTED's fsync
                 drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
             elif speculation is not None:
-                speculation.stop.set()
+                speculation.drop()
             speculation = in_flight = None
             await commit
             t2 = time.perf_counter()
@@ -408,11 +473,15 @@ class DriverContext:
         log,
         channel: grpc.aio.Channel,
         speculate: bool = True,
+        branches: int = 4,
         batch_with: MultiSequenceBackend | None = None,
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
         self.speculate = speculate
         """Draft round r+1 while round r is at the verifier (lane.speculate)."""
+        self.branches = branches
+        """Greedy: draft it on the first `branches` rejection points too, each with the
+        draft's runner-up there (lane.speculate_branches; 0: full acceptance only)."""
         self.stub = pb_grpc.VerifierStub(channel)
         self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self.drafts = DraftQueue(self.draft_pool, batch_with)

@@ -46,6 +46,9 @@ q_top_k = {q_top_k}
 # draft the rounds of concurrent sessions together, one batched draft forward per step
 # (torch drafts; mlx and windowed drafts draft each session alone)
 draft_batch = true
+# greedy: while a round is away, draft the next one on full acceptance and on the rejection
+# of each of the first N drafts (the draft's runner-up as the target's pick), together
+speculate_branches = 4
 # `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
 receipt = "qualification.json"
 acceptance_floor = 0.25

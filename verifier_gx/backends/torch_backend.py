@@ -161,6 +161,16 @@ class TorchSequence:
         self._tokens.clear()
         self._keys, self._values = [], []
 
+    def clone(self) -> TorchSequence:
+        """A new sequence of the same backend holding a copy of this one's KV: the two then
+        grow and roll back independently (the proposer drafts several guesses at once on
+        clones of one session's draft KV)."""
+        twin = TorchSequence(self.owner)
+        twin._tokens = list(self._tokens)
+        twin._keys = [k.clone() for k in self._keys]  # whole buffers: room to grow as before
+        twin._values = [v.clone() for v in self._values]
+        return twin
+
     def _write(self, layer: int, k, v):
         """Store new keys/values (heads, n, dim) after `length`; return [0, length + n)."""
         start, end = self.length, self.length + k.shape[1]
