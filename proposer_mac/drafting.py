@@ -148,7 +148,7 @@ class Drafter:
         transcript: Sequence[int],
         state: Mt19937,
         depth: int,
-        stop: threading.Event | None,
+        stop: threading.Event | _Unchosen | None,
         cursor: KvCursor | None = None,
     ) -> Steps[Draft]:
         """Draft on `cursor` (default: the drafter's own; a branch drafts on its clone)."""
@@ -269,6 +269,7 @@ class Drafter:
         stop_tokens: Sequence[int],
         stop: threading.Event,
         guesses: list[list[int]],
+        chosen: list[list[int]] | None = None,
     ) -> Steps[list[Branch]]:
         """Greedy: draft the round after `current` on every outcome the draft can guess at
         once, while `current` is at the verifier. Rejected at draft k (k < D), the target
@@ -279,12 +280,17 @@ class Drafter:
         Each guess drafts on a clone of the draft KV, all of them in one batched forward
         per step (`run_together`); the drafter's own cursor does not move, so a miss drafts
         from there as before. `guesses` is given each guessed emission as soon as it is known
-        (before it is drafted on). The forwards run here, not in the queue's driver: the
-        steps ask it for none. Greedy drafts do not depend on the MT state (no draws)."""
-        return self._branch(transcript, current, depths, stop_tokens, stop, guesses)
+        (before it is drafted on). Once an emission is put in `chosen` (the verifier decided
+        it), every other branch stops between two forwards and the chosen one finishes alone.
+        The forwards run here, not in the queue's driver: the steps ask it for none. Greedy
+        drafts do not depend on the MT state (no draws)."""
+        chosen = [] if chosen is None else chosen
+        return self._branch(transcript, current, depths, stop_tokens, stop, guesses, chosen)
         yield  # a generator: the draft thread's queue runs it like any other job
 
-    def _branch(self, transcript, current, depths, stop_tokens, stop, guesses) -> list[Branch]:
+    def _branch(
+        self, transcript, current, depths, stop_tokens, stop, guesses, chosen
+    ) -> list[Branch]:
         depth = len(current.drafts)
         held = [*transcript, *current.drafts[:-1]]
         if (
@@ -302,12 +308,13 @@ class Drafter:
             if depths[k] is not None and not any(t in stop_tokens for t in emitted):
                 guesses.append(emitted)  # read by the event loop's thread: one append
                 cursor = self._clone()
-                steps = self._draft([*transcript, *emitted], none, depths[k], stop, cursor)
+                halt = _Unchosen(stop, chosen, emitted)
+                steps = self._draft([*transcript, *emitted], none, depths[k], halt, cursor)
                 work.append((cursor, _speculation(emitted, depths[k], steps)))
         if depths[depth] is not None:
             cursor = self._clone()
             work.append((cursor, self._accepted_branch(
-                transcript, current, cursor, depths[depth], stop_tokens, stop, guesses
+                transcript, current, cursor, depths[depth], stop_tokens, stop, guesses, chosen
             )))  # fmt: skip
         results = run_together(self.cursor.backend.owner, work)
         return [
@@ -317,7 +324,7 @@ class Drafter:
         ]
 
     def _accepted_branch(
-        self, transcript, current, cursor, depth, stop_tokens, stop, guesses
+        self, transcript, current, cursor, depth, stop_tokens, stop, guesses, chosen
     ) -> Steps[Speculation]:
         """The full-acceptance guess on `cursor`: the bonus is the draft's own pick."""
         row = (yield [current.drafts[-1]])[-1]
@@ -325,7 +332,8 @@ class Drafter:
         guesses.append(emitted)  # read by the event loop's thread: one append
         if any(t in stop_tokens for t in emitted):
             return Speculation(emitted, depth, None)
-        steps = self._draft([*transcript, *emitted], Mt19937.from_seed(0), depth, stop, cursor)
+        halt = _Unchosen(stop, chosen, emitted)
+        steps = self._draft([*transcript, *emitted], Mt19937.from_seed(0), depth, halt, cursor)
         return (yield from _speculation(emitted, depth, steps))
 
     def _clone(self) -> KvCursor:
@@ -414,6 +422,16 @@ def _evaluate_together(
     for (cursor, tokens), got in zip(asks.values(), rows, strict=True):
         cursor.record(tokens, got)
     return dict(zip(asks, rows, strict=True))
+
+
+class _Unchosen:
+    """A branch's stop: its job was stopped, or another branch was chosen."""
+
+    def __init__(self, stop: threading.Event, chosen: list[list[int]], emitted: list[int]):
+        self.stop, self.chosen, self.emitted = stop, chosen, emitted
+
+    def is_set(self) -> bool:
+        return self.stop.is_set() or (bool(self.chosen) and self.chosen[0] != self.emitted)
 
 
 def runner_up(row: np.ndarray, token: int) -> int:

@@ -7,7 +7,13 @@ Per round (DESIGN.md §5, the proposer's steps):
   3. send; on `LinkDown` reconnect with backoff and re-send the same bytes;
   4. check the signed result (enrolled verifier key, head chain, MT state, transcript);
   5. COMMITTED appended and fsynced; only then are the tokens handed to clients;
-  6. ack.
+  6. ack, once the next request is on the wire (or the session ends).
+
+The next round does not wait for step 5: its draft overlaps COMMITTED's fsync, and its
+PREPARED is appended behind COMMITTED in the same log, which acknowledges a record only
+once every record before it is durable. So step 2 of round r+1 still finds COMMITTED of
+round r durable, and when the next draft was ready with the result the two fsyncs run
+together instead of one after the other.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from muser import logs
 from muser.backend import MultiSequenceBackend
-from muser.records import advance, close_message, draws_for_round
+from muser.records import Signed, advance, close_message, draws_for_round
 from muser.round import clip_emission
 from muser.stats import DraftingStats, LaneStats
 from muser.wire import convert
@@ -37,6 +43,16 @@ from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
 log = logging.getLogger("muser.proposer")
+
+_tasks: set[asyncio.Future] = set()
+"""Fire-and-forget tasks (acks), held until they end."""
+
+
+def _in_background(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
 
 QUEUE_FULL = "round_queue_full"
 """The refusal reason of a verifier whose round queue is full: re-send after a backoff."""
@@ -57,6 +73,13 @@ class Speculating:
     branches: list[list[int]] = field(default_factory=list)
     """Branches (`Drafter.branch_steps`): every emission guessed so far, filled in the draft
     thread; its full-acceptance guess is the one `drafts` announces."""
+    chosen: list[list[int]] = field(default_factory=list)
+    """Branches: the emission the verifier decided, once known (the others then stop)."""
+
+    def choose(self, emitted: list[int]) -> None:
+        """The round emits `emitted`, one of the branches: only that one goes on."""
+        if self.branches and not self.chosen:
+            self.chosen.append(list(emitted))  # read by the draft thread: one append
 
     def drafts_on(self, emitted: list[int]) -> bool:
         """Whether it drafts, or may yet draft, on a round that emits `emitted`."""
@@ -189,12 +212,12 @@ class SessionRunner:
         ]
         if all(d is None for d in depths):
             return None
-        stop, guesses = threading.Event(), []
+        stop, guesses, chosen = threading.Event(), [], []
         steps = self.drafter.branch_steps(
-            list(s.transcript), proposal, depths, s.params.stop_tokens, stop, guesses
+            list(s.transcript), proposal, depths, s.params.stop_tokens, stop, guesses, chosen
         )
         future = self.core.drafts.submit(self.drafter, steps)
-        return Speculating(future, stop, proposal.drafts, branches=guesses)
+        return Speculating(future, stop, proposal.drafts, branches=guesses, chosen=chosen)
 
     def _follow_decision(
         self, spec: Speculating | None, current: Draft, d: pb.Decision
@@ -209,6 +232,7 @@ class SessionRunner:
             return spec
         emitted = [*current.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
         if spec is not None and spec.drafts_on(emitted):
+            spec.choose(emitted)
             return spec  # the guess was right (or this decision came before): keep drafting
         clip = clip_emission(emitted, len(s.emitted), s.params.max_tokens, s.params.stop_tokens)
         if clip.done:
@@ -234,6 +258,8 @@ class SessionRunner:
         if speculation is not None:
             if not speculation.may_draft_on(tokens):
                 speculation.stop.set()  # not what it drafted on: stop between two forwards
+            elif speculation.drafts_on(tokens):
+                speculation.choose(tokens)
             t0, ready = time.perf_counter(), speculation.future.done()
             spec, seconds = await speculation.future
             self.stats.speculation_s += seconds
@@ -278,10 +304,19 @@ class SessionRunner:
         """The proposal of the round at the verifier (None for a round recovered from the
         journal: its decision is not followed)."""
 
+        committing: asyncio.Future | None = None
+        """The last result's COMMITTED append and what follows it (`_committed`)."""
+        ack_due: int | None = None
+        """The last committed round, acked once the next request is on the wire (its
+        PREPARED came durable after COMMITTED: the ack never runs ahead of the commit)."""
+
         def sent() -> None:
-            nonlocal speculation, to_speculate
+            nonlocal speculation, to_speculate, ack_due
             if to_speculate is not None:
                 speculation, to_speculate = self._start_speculation(to_speculate), None
+            if ack_due is not None and stream is not None:
+                _in_background(stream.ack(ack_due))  # after the request: off its path
+                ack_due = None
 
         def decided(d: pb.Decision) -> None:
             nonlocal speculation
@@ -345,6 +380,8 @@ class SessionRunner:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.05
+            if committing is not None:  # the round before: durable, counted, clients told
+                await committing
             result = s.check_result(s.prepared, signed, core.verifiers)
             tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
             s.last_result = signed  # the resume point once COMMITTED is durable (awaited below)
@@ -358,26 +395,22 @@ class SessionRunner:
             )
             self.stats.width = s.width.to_dict()
             draft_s, round_start = 0.0, t1
-            commit = asyncio.ensure_future(
-                core.log.append_async(journal.encode_committed(s.session_id, result.round, signed))
+            # COMMITTED is not awaited here: the next draft overlaps its fsync, and so does
+            # the next PREPARED, which the log makes durable only after it (one fsync each,
+            # in flight together when the next draft was ready with this result)
+            committing = asyncio.ensure_future(
+                self._committed(result, signed, len(tokens), (t0, t1, start), raw)
             )
-            if not s.done and not self.cancelled:  # the next draft overlaps COMMITTED's fsync
+            ack_due = result.round
+            if not s.done and not self.cancelled:
                 drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
             elif speculation is not None:
                 speculation.drop()
             speculation = in_flight = None
-            await commit
-            t2 = time.perf_counter()
-            self.durable = len(s.emitted)
-            remote = raw.verify_s + raw.wal_s + raw.sign_s
-            self.stats.verify_s += raw.verify_s
-            self.stats.wal_s += raw.wal_s + (t2 - t1)
-            self.stats.sign_s += raw.sign_s
-            self.stats.transport_s += max(0.0, (t1 - t0) - remote)
-            self.stats.observe_round(len(result.drafts), result.accepted, len(tokens))
-            self.stats.wall_s = time.perf_counter() - start
-            await stream.ack(result.round)
-            await self._notify()
+        if committing is not None:
+            await committing
+        if ack_due is not None and stream is not None:
+            await stream.ack(ack_due)
         if not s.done:  # cancelled: the session ends at what is durable
             log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
             s.done = True
@@ -385,6 +418,25 @@ class SessionRunner:
         if stream is not None:
             stream.close()
         await core.close_remote(s)
+
+    async def _committed(self, result, signed: Signed, emitted: int, times, raw) -> None:
+        """Make the round's COMMITTED durable; only then may clients see its tokens."""
+        s = self.session
+        durable = len(s.emitted)  # this round's tokens and those before them
+        await self.core.log.append_async(
+            journal.encode_committed(s.session_id, result.round, signed)
+        )
+        t0, t1, start = times
+        t2 = time.perf_counter()
+        self.durable = max(self.durable, durable)
+        remote = raw.verify_s + raw.wal_s + raw.sign_s
+        self.stats.verify_s += raw.verify_s
+        self.stats.wal_s += raw.wal_s + (t2 - t1)
+        self.stats.sign_s += raw.sign_s
+        self.stats.transport_s += max(0.0, (t1 - t0) - remote)
+        self.stats.observe_round(len(result.drafts), result.accepted, emitted)
+        self.stats.wall_s = time.perf_counter() - start
+        await self._notify()
 
 
 @dataclass(frozen=True)

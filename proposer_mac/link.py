@@ -65,6 +65,8 @@ class RoundStream:
     def __init__(self, stub: pb_grpc.VerifierStub, session_id: bytes, epoch: int):
         self.call = stub.Rounds()
         self.session_id, self.epoch = session_id, epoch
+        self._writing = asyncio.Lock()
+        """One write at a time: an ack may go while a round trip writes fragments."""
         self.captured_bytes = 0
         """Capture-row fragment bytes received (hash-checked; no consumer keeps them yet)."""
 
@@ -80,7 +82,8 @@ class RoundStream:
 
     async def _write(self, msg: pb.ProposerMessage) -> None:
         try:
-            await self.call.write(msg)
+            async with self._writing:
+                await self.call.write(msg)
         except grpc.aio.AioRpcError as exc:
             raise self._broken(exc.code(), exc.details()) from exc
         except asyncio.InvalidStateError as exc:  # the call ended: its status says why

@@ -455,3 +455,50 @@ async def test_old_finished_sessions_are_forgotten_but_still_counted(key_set, tm
         assert [t for e in rest for t in e.tokens] == runners[3].session.emitted[37:]
     finally:
         await stop(c)
+
+
+@pytest.mark.asyncio
+async def test_commits_overlap_the_next_round_but_no_ack_runs_ahead_of_its_commit(cluster):
+    """The next round does not wait for COMMITTED: still, its PREPARED is durable only after
+    the COMMITTED before it, no ack goes before its round's COMMITTED is durable, and every
+    round is acked, after the request that follows it."""
+    from proposer_mac import journal
+    from proposer_mac.link import RoundStream
+
+    core = cluster.server.core
+    events: list[tuple] = []
+    append, ack, round_trip = core.log.append_async, RoundStream.ack, RoundStream.round_trip
+
+    async def recorded_append(payload):
+        seq = await append(payload)
+        entry = journal.describe(payload)
+        events.append((entry["entry"], entry.get("round")))
+        return seq
+
+    async def recorded_ack(self, round_):
+        events.append(("ack", round_))
+        await ack(self, round_)
+
+    async def recorded_round_trip(self, signed, *args):
+        events.append(("sent", None))
+        return await round_trip(self, signed, *args)
+
+    core.log.append_async = recorded_append
+    RoundStream.ack, RoundStream.round_trip = recorded_ack, recorded_round_trip
+    try:
+        runner = await core.start_session(PROMPT, PARAMS)
+        await runner.task
+    finally:
+        RoundStream.ack, RoundStream.round_trip = ack, round_trip
+    rounds = runner.stats.rounds
+    assert runner.error is None and len(runner.session.emitted) == PARAMS.max_tokens
+
+    def at(kind, r):
+        return events.index((kind, r))
+
+    assert [r for k, r in events if k == "ack"] == list(range(rounds))
+    for r in range(rounds):
+        assert at("committed", r) < at("ack", r)
+        if r + 1 < rounds:
+            assert at("committed", r) < at("prepared", r + 1)
+            assert at("ack", r) > [i for i, (k, _) in enumerate(events) if k == "sent"][r + 1]
