@@ -130,6 +130,20 @@ def test_outcomes_not_drafted_are_not_guessed_and_a_stop_drafts_nothing(natural)
     assert len(got) == 5 and all(b.speculation.proposal is None for b in got)
 
 
+def test_once_a_branch_is_chosen_the_others_stop_and_it_finishes_alone(natural):
+    backend, prompts = natural
+    prompt = prompts[1]
+    drafter = Drafter(backend.sequence(), GREEDY)
+    current = drafter.draft(prompt, STATE, 4)
+    chosen = [[*current.drafts[:1], current.runners_up[1]]]  # the decision: outcome 1
+    steps = drafter.branch_steps(prompt, current, [4] * 5, (), threading.Event(), [], chosen)
+    got = drafter.run(steps)
+    done = [b.speculation for b in got if b.speculation.proposal is not None]
+    assert [spec.emitted for spec in done] == chosen  # every other branch stopped
+    plain = Drafter(backend.sequence(), GREEDY).draft([*prompt, *chosen[0]], STATE, 4)
+    assert done[0].proposal.drafts == plain.drafts
+
+
 def test_branches_need_greedy_and_a_sequence_that_clones(natural):
     backend, prompts = natural
     assert Drafter(backend.sequence(), GREEDY).can_branch
