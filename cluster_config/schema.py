@@ -174,8 +174,9 @@ class Lane(_Strict):
         description="Greedy: speculate on more outcomes than full acceptance at once: the "
         "rejection of each of the first N drafts, with the draft's runner-up there as the "
         "target's pick, each on a clone of the draft KV, drafted together with the "
-        "full-acceptance guess in one batched forward per step (needs draft_batch and a "
-        "torch draft; 0: full acceptance only; never changes the tokens).",
+        "full-acceptance guess in one batched forward per step, when the draft thread has "
+        "nothing else to draft (needs draft_batch and a torch draft; 0: full acceptance "
+        "only; never changes the tokens).",
     )
     draft_batch: bool = Field(
         True,

@@ -186,7 +186,9 @@ class SessionRunner:
         remaining = s.params.max_tokens - len(s.emitted) - len(proposal.drafts) - 1
         if not self.core.speculate or not proposal.drafts:
             return None
-        if self.core.branches > 0 and self.drafter.can_branch:
+        if self.core.branches > 0 and self.drafter.can_branch and self.core.drafts.pending == 0:
+            # branches cost the draft thread ~1.7x a guess: only when nothing else waits
+            # for it (many sessions keep it busy; there a branch job delays their drafts)
             return self._start_branches(proposal)
         if remaining < 1:
             return None
@@ -463,6 +465,7 @@ class DraftQueue:
         self.pool, self.batch_with = pool, batch_with
         self.stats = DraftingStats()
         self._waiting: list[_Job] = []
+        self._pending = 0
         self._lock = threading.Lock()
 
     @property
@@ -471,19 +474,32 @@ class DraftQueue:
         with self._lock:
             return len(self._waiting)
 
+    @property
+    def pending(self) -> int:
+        """Jobs submitted whose result is not out yet (waiting, or in the draft thread)."""
+        with self._lock:
+            return self._pending
+
+    def _done(self, n: int) -> None:
+        with self._lock:
+            self._pending -= n
+
     def submit(self, drafter: Drafter, steps: Steps) -> asyncio.Future:
         """Run `steps` in the draft thread; a future of (result, seconds). The seconds are
         the wall of the group it was drafted in: what this round waited for its draft."""
         job = _Job(drafter, steps, Future())
         with self._lock:
             self._waiting.append(job)
+            self._pending += 1
         self.pool.submit(self._drain)
         return asyncio.wrap_future(job.future)
 
     def _drain(self) -> None:
         with self._lock:
             jobs, self._waiting = self._waiting, []
+        taken = len(jobs)
         jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        self._done(taken - len(jobs))  # cancelled while waiting
         first: list[_Job] = []
         later: list[_Job] = []  # a session's second job (a draft on a decision, after the
         for job in jobs:  # speculation it replaces) runs after its first, never beside it
@@ -499,6 +515,7 @@ class DraftQueue:
                 results = [_run_alone(group[0])]
             seconds = time.perf_counter() - t0
             self.stats.observe_batch(len(group))
+            self._done(len(group))
             for job, result in zip(group, results, strict=True):
                 if isinstance(result, BaseException):
                     job.future.set_exception(result)

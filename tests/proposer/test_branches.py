@@ -226,3 +226,40 @@ async def test_greedy_branches_hit_and_never_change_the_tokens(key_set, tmp_path
     assert len(on_draft.made) > 1 and len(off_draft.made) == 1  # clones only with branches
     assert all(seq.length == 0 for seq in on_draft.made)  # no clone's KV outlives the session
     assert on.stats.to_dict()["speculation"]["branch_hits"] == on.stats.branch_hits
+
+
+@pytest.mark.asyncio
+async def test_branches_wait_for_an_idle_draft_thread(key_set, tmp_path, monkeypatch):
+    """A branch job costs the draft thread more than one guess: with other jobs pending
+    there (other sessions' drafts) a round speculates on full acceptance only."""
+    from proposer_mac.driver import DraftQueue
+
+    monkeypatch.setattr(DraftQueue, "pending", property(lambda self: 1))
+    runner, draft = await greedy_session(key_set, tmp_path, 4)
+    local = run_local(FakeBackend(), SwappedDraft(), PROMPT, GREEDY)
+    assert runner.error is None and runner.session.emitted == local.tokens
+    assert runner.stats.speculated > 0 and runner.stats.branch_hits == 0
+    assert len(draft.made) == 1  # no clone was made
+
+
+def test_the_draft_queue_counts_jobs_until_their_results_are_out():
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from proposer_mac.driver import DraftQueue
+
+    async def scenario():
+        pool = ThreadPoolExecutor(1)
+        queue = DraftQueue(pool)
+        gate = threading.Event()
+        pool.submit(gate.wait, 10)  # the draft thread is busy
+        drafter = Drafter(FakeBackend(), GREEDY)
+        futures = [queue.submit(drafter, drafter.draft_steps(PROMPT, STATE, 2)) for _ in "ab"]
+        counts = [queue.pending]
+        gate.set()
+        await asyncio.gather(*futures)
+        counts.append(queue.pending)
+        pool.shutdown()
+        return counts
+
+    assert asyncio.run(scenario()) == [2, 0]
