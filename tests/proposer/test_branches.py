@@ -17,12 +17,9 @@ import threading
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from muser.fixtures import build_fixtures, natural_prompts
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, argmax_lowest
-from proposer_mac.backends import load_draft_backend
 from proposer_mac.drafting import Branch, Draft, Drafter
 from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
@@ -32,14 +29,6 @@ from tests.verifier.conftest import PROMPT
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 STATE = Mt19937.from_seed(0)  # greedy drafting draws nothing
-
-
-@pytest.fixture(scope="module")
-def natural():
-    pair = build_fixtures(progress=False).natural
-    tok = AutoTokenizer.from_pretrained(str(pair.target))
-    prompts = [list(tok.encode(t, add_special_tokens=False)) for t in natural_prompts(2)]
-    return load_draft_backend("torch", pair.draft), prompts
 
 
 def branches(drafter, prompt, current, depths, stop_tokens=(), stop=None):

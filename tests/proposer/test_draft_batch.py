@@ -17,15 +17,12 @@ import threading
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from muser.errors import ContextOverflowError
-from muser.fixtures import build_fixtures, natural_prompts
 from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, argmax_lowest, draft_row, sample_ordered
 from muser.wire import muser_v2_pb2 as pb
-from proposer_mac.backends import load_draft_backend
 from proposer_mac.drafting import Draft, Drafter, run_together
 from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
@@ -34,14 +31,6 @@ from tests.verifier.conftest import PROMPT
 from tests.verifier.test_batching import until
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=64, seed=3)
-
-
-@pytest.fixture(scope="module")
-def natural():
-    pair = build_fixtures(progress=False).natural
-    tok = AutoTokenizer.from_pretrained(str(pair.target))
-    prompts = [list(tok.encode(t, add_special_tokens=False)) for t in natural_prompts(4)]
-    return load_draft_backend("torch", pair.draft), prompts
 
 
 def sampler_picks(draft: Draft, state: Mt19937, greedy: bool) -> list[int]:

@@ -5,6 +5,7 @@ the chains through the snapshot (proposer_mac/journal.py, "Compaction")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 
@@ -49,6 +50,22 @@ async def compacted(core, timeout: float = 10.0):
     raise AssertionError("no snapshot at the journal's last record")
 
 
+@contextlib.asynccontextmanager
+async def restarted(config, c):
+    """A proposer daemon started on `config`'s journal (after `c` stopped); its runners."""
+    server, _ = await create_server(
+        config,
+        draft=FakeBackend(order=1, salt=1),
+        target_identity=identity_of(c.verifier.backend),
+        tokenizer=CharTokenizer(),
+    )
+    try:
+        yield server.core.runners
+    finally:
+        await server.stop(None)
+        server.core.log.close()
+
+
 @pytest.fixture
 def small_segments(monkeypatch):
     """Journal segments of 4 KiB, so that a few sessions fill several and a snapshot can
@@ -78,23 +95,13 @@ async def test_sessions_ending_past_the_threshold_compact_and_a_restart_serves_t
     assert result.ok, result.failure
     assert "proposer-journal" in result.chain_checked_by and result.snapshots >= 1
 
-    server, _ = await create_server(
-        config,
-        draft=FakeBackend(order=1, salt=1),
-        target_identity=identity_of(c.verifier.backend),
-        tokenizer=CharTokenizer(),
-    )
-    try:
-        held = server.core.runners
+    async with restarted(config, c) as held:
         assert list(held) == [r.session.session_id for r in runners[2:]]
         for sid, runner in held.items():
             assert runner.finished and runner.session.emitted == emitted[sid]
             assert runner.session.next_round == next(
                 r.session.next_round for r in runners if r.session.session_id == sid
             )
-    finally:
-        await server.stop(None)
-        server.core.log.close()
 
 
 async def test_a_threshold_of_zero_never_compacts(key_set, tmp_path, small_segments):
@@ -233,19 +240,9 @@ async def test_a_compaction_cut_short_at_any_step_restarts_to_the_same_sessions(
         cfg = config.model_copy(
             update={"proposer": config.proposer.model_copy(update={"wal_dir": state})}
         )
-        server, _ = await create_server(
-            cfg,
-            draft=FakeBackend(order=1, salt=1),
-            target_identity=identity_of(c.verifier.backend),
-            tokenizer=CharTokenizer(),
-        )
-        try:
-            held = server.core.runners
+        async with restarted(cfg, c) as held:
             # every session the journal still holds comes back whole; the snapshot keeps
             # the last limits.finished_sessions = 2 finished ones, the segments all four
             assert {r.session.session_id for r in runners[2:]} <= set(held), state.name
             for sid, runner in held.items():
                 assert runner.finished and runner.session.emitted == emitted[sid], state.name
-        finally:
-            await server.stop(None)
-            server.core.log.close()
