@@ -223,12 +223,9 @@ class Drafter:
         if any(t in stop_tokens for t in emitted):
             return Speculation(emitted, next_depth, None)
         post = advance(state, draws_for_round(depth, depth, self.params.greedy))
-        try:
-            self._rewind()  # the draft below must start where a post-result draft starts
-            proposal = yield from self._draft([*transcript, *emitted], post, next_depth, stop)
-        except Stopped:
-            return Speculation(emitted, next_depth, None)
-        return Speculation(emitted, next_depth, proposal)
+        self._rewind()  # the draft below must start where a post-result draft starts
+        steps = self._draft([*transcript, *emitted], post, next_depth, stop)
+        return (yield from _speculation(emitted, next_depth, steps))
 
     def follow_steps(
         self,

@@ -38,7 +38,7 @@ from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
-from proposer_mac.drafting import Branch, Draft, Drafter, Steps, run_together
+from proposer_mac.drafting import Branch, Draft, Drafter, Speculation, Steps, run_together
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
@@ -97,11 +97,31 @@ class Speculating:
 
 
 def _release(future: asyncio.Future) -> None:
-    if future.cancelled() or future.exception() is not None:
-        return
-    result, _ = future.result()
+    if not future.cancelled() and future.exception() is None:
+        _drop_clones(future.result()[0])
+
+
+def _held(result, tokens: list[int], depth: int) -> Speculation | Branch | None:
+    """The guess in a speculation job's result (one `Speculation`, or a list of `Branch`)
+    that drafted `depth` tokens on a round that emitted `tokens`, if any."""
+    for c in result if isinstance(result, list) else [result]:
+        guess = c.speculation if isinstance(c, Branch) else c
+        if (
+            guess is not None
+            and guess.proposal is not None
+            and guess.emitted == tokens
+            and guess.depth == depth
+        ):
+            return c
+    return None
+
+
+def _drop_clones(result, keep: Branch | None = None) -> None:
+    """Drop the KV of the clones a branch job drafted on (a list of `Branch`), but `keep`'s;
+    any other job's result drafted on the session's own sequence and has none."""
     for branch in result if isinstance(result, list) else []:
-        branch.cursor.backend.reset()
+        if branch is not keep:
+            branch.cursor.backend.reset()
 
 
 class SessionRunner:
@@ -268,19 +288,8 @@ class SessionRunner:
             self.stats.speculated += 1
             s = self.session
             depth = s.width.choose(s.params.max_tokens - len(s.emitted))
-            held = None
-            for c in spec if isinstance(spec, list) else [spec]:
-                guess = c.speculation if isinstance(c, Branch) else c
-                if (
-                    held is None
-                    and guess is not None
-                    and guess.proposal is not None
-                    and guess.emitted == tokens
-                    and guess.depth == depth
-                ):
-                    held = c
-                elif isinstance(c, Branch):
-                    c.cursor.backend.reset()  # a clone whose guess failed: its KV goes
+            held = _held(spec, tokens, depth)
+            _drop_clones(spec, keep=held)  # the clones whose guesses failed
             if held is not None:
                 self.stats.speculation_hits += 1
                 if isinstance(held, Branch):
@@ -401,7 +410,7 @@ class SessionRunner:
             # the next PREPARED, which the log makes durable only after it (one fsync each,
             # in flight together when the next draft was ready with this result)
             committing = asyncio.ensure_future(
-                self._committed(result, signed, len(tokens), (t0, t1, start), raw)
+                self._committed(result, signed, len(tokens), (t0, t1, start), raw, len(s.emitted))
             )
             ack_due = result.round
             if not s.done and not self.cancelled:
@@ -421,10 +430,12 @@ class SessionRunner:
             stream.close()
         await core.close_remote(s)
 
-    async def _committed(self, result, signed: Signed, emitted: int, times, raw) -> None:
-        """Make the round's COMMITTED durable; only then may clients see its tokens."""
+    async def _committed(
+        self, result, signed: Signed, emitted: int, times, raw, durable: int
+    ) -> None:
+        """Make the round's COMMITTED durable; only then may clients see its tokens (the
+        first `durable`: this round's and those before them)."""
         s = self.session
-        durable = len(s.emitted)  # this round's tokens and those before them
         await self.core.log.append_async(
             journal.encode_committed(s.session_id, result.round, signed)
         )
