@@ -23,7 +23,7 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,12 +33,13 @@ from muser import logs
 from muser.backend import MultiSequenceBackend
 from muser.records import Signed, advance, close_message, draws_for_round
 from muser.round import clip_emission
-from muser.stats import DraftingStats, LaneStats
+from muser.stats import LaneStats
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
-from proposer_mac.drafting import Branch, Draft, Drafter, Speculation, Steps, run_together
+from proposer_mac.draft_queue import DraftQueue
+from proposer_mac.drafting import Branch, Draft, Drafter, Speculation
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
 
@@ -450,95 +451,6 @@ class SessionRunner:
         self.stats.observe_round(len(result.drafts), result.accepted, emitted)
         self.stats.wall_s = time.perf_counter() - start
         await self._notify()
-
-
-@dataclass(frozen=True)
-class _Job:
-    drafter: Drafter
-    steps: Steps
-    future: Future
-
-
-class DraftQueue:
-    """The draft thread: drafts and speculations of every session, drafted in lockstep when
-    several wait at once.
-
-    A submitted job waits in a list and a drain is queued on the one-worker pool; a drain
-    takes everything waiting, so jobs that arrive while the thread is busy are drafted
-    together by the next one (no timer: nothing waits for company). With `batch_with` (the
-    draft backend whose sequences the sessions draft on, lane.draft_batch) a group of two or
-    more runs through `run_together`; a job alone, or every job without it, runs through
-    its drafter's own cursor, the path of the local lane."""
-
-    def __init__(
-        self, pool: ThreadPoolExecutor, batch_with: MultiSequenceBackend | None = None
-    ) -> None:
-        self.pool, self.batch_with = pool, batch_with
-        self.stats = DraftingStats()
-        self._waiting: list[_Job] = []
-        self._pending = 0
-        self._lock = threading.Lock()
-
-    @property
-    def waiting(self) -> int:
-        """Rounds submitted and not yet taken by the draft thread."""
-        with self._lock:
-            return len(self._waiting)
-
-    @property
-    def pending(self) -> int:
-        """Jobs submitted whose result is not out yet (waiting, or in the draft thread)."""
-        with self._lock:
-            return self._pending
-
-    def _done(self, n: int) -> None:
-        with self._lock:
-            self._pending -= n
-
-    def submit(self, drafter: Drafter, steps: Steps) -> asyncio.Future:
-        """Run `steps` in the draft thread; a future of (result, seconds). The seconds are
-        the wall of the group it was drafted in: what this round waited for its draft."""
-        job = _Job(drafter, steps, Future())
-        with self._lock:
-            self._waiting.append(job)
-            self._pending += 1
-        self.pool.submit(self._drain)
-        return asyncio.wrap_future(job.future)
-
-    def _drain(self) -> None:
-        with self._lock:
-            jobs, self._waiting = self._waiting, []
-        taken = len(jobs)
-        jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-        self._done(taken - len(jobs))  # cancelled while waiting
-        first: list[_Job] = []
-        later: list[_Job] = []  # a session's second job (a draft on a decision, after the
-        for job in jobs:  # speculation it replaces) runs after its first, never beside it
-            (later if any(j.drafter is job.drafter for j in first) else first).append(job)
-        together = self.batch_with is not None and len(first) > 1
-        groups = [first] if together else [[j] for j in first]
-        for group in groups + [[j] for j in later]:
-            t0 = time.perf_counter()
-            if len(group) > 1:
-                work = [(j.drafter.cursor, j.steps) for j in group]
-                results = run_together(self.batch_with, work)
-            else:
-                results = [_run_alone(group[0])]
-            seconds = time.perf_counter() - t0
-            self.stats.observe_batch(len(group))
-            self._done(len(group))
-            for job, result in zip(group, results, strict=True):
-                if isinstance(result, BaseException):
-                    job.future.set_exception(result)
-                else:
-                    job.future.set_result((result, seconds))
-
-
-def _run_alone(job: _Job) -> object:
-    try:
-        return job.drafter.run(job.steps)
-    except Exception as exc:  # handed to the session that submitted it
-        return exc
 
 
 class DriverContext:

@@ -221,7 +221,7 @@ async def test_greedy_branches_hit_and_never_change_the_tokens(key_set, tmp_path
 async def test_branches_wait_for_an_idle_draft_thread(key_set, tmp_path, monkeypatch):
     """A branch job costs the draft thread more than one guess: with other jobs pending
     there (other sessions' drafts) a round speculates on full acceptance only."""
-    from proposer_mac.driver import DraftQueue
+    from proposer_mac.draft_queue import DraftQueue
 
     monkeypatch.setattr(DraftQueue, "pending", property(lambda self: 1))
     runner, draft = await greedy_session(key_set, tmp_path, 4)
@@ -235,7 +235,7 @@ def test_the_draft_queue_counts_jobs_until_their_results_are_out():
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from proposer_mac.driver import DraftQueue
+    from proposer_mac.draft_queue import DraftQueue
 
     async def scenario():
         pool = ThreadPoolExecutor(1)

@@ -255,7 +255,7 @@ async def test_a_sessions_second_job_runs_after_its_first_never_beside_it(monkey
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from proposer_mac import driver
+    from proposer_mac import draft_queue
 
     order: list[str] = []
 
@@ -271,11 +271,11 @@ async def test_a_sessions_second_job_runs_after_its_first_never_beside_it(monkey
         order.append("+".join(f"{c.name}:{s}" for c, s in work))
         return [s for _, s in work]
 
-    monkeypatch.setattr(driver, "run_together", together)
+    monkeypatch.setattr(draft_queue, "run_together", together)
     a, b = Lone("a"), Lone("b")
     pool, gate = ThreadPoolExecutor(max_workers=1), threading.Event()
     pool.submit(gate.wait)  # the draft thread is busy: the three jobs wait together
-    queue = driver.DraftQueue(pool, batch_with=object())
+    queue = draft_queue.DraftQueue(pool, batch_with=object())
     futures = [queue.submit(a, "spec"), queue.submit(b, "draft"), queue.submit(a, "follow")]
     gate.set()
     results = [r for r, _ in await asyncio.gather(*futures)]
