@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 from pathlib import Path
@@ -118,9 +119,19 @@ def register(sub, name: str, help_text: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports the kernel had free: every socket stays bound until all
+    are picked, so two picks cannot land on the same port (one at a time, they can)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 def init_cluster(
@@ -150,12 +161,13 @@ def init_cluster(
         from muser.tls import write_tls
 
         write_tls(directory / "keys" / "tls", ["verifier", "proposer"], force=True)
+    verifier_port, verifier_http_port, proposer_port, http_port = free_ports(4)
     path.write_text(
         (TEMPLATE + (TLS_SECTION if tls else "")).format(
-            verifier_port=free_port(),
-            verifier_http_port=free_port(),
-            proposer_port=free_port(),
-            http_port=free_port(),
+            verifier_port=verifier_port,
+            verifier_http_port=verifier_http_port,
+            proposer_port=proposer_port,
+            http_port=http_port,
             target=Path(target).resolve(),
             draft=Path(draft).resolve(),
             draft_backend=draft_backend,

@@ -35,6 +35,37 @@ def test_init_writes_a_config_that_checks(cluster_file, unqualified, capsys):
     assert "ok" in capsys.readouterr().out
 
 
+class _LowestFreePort:
+    """A socket whose bind to port 0 takes the lowest port no open socket holds, the way a
+    kernel may hand a just-released port out again."""
+
+    held: set[int] = set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.held.discard(self.port)
+
+    def bind(self, address):
+        self.port = min(set(range(20000, 20010)) - self.held)
+        self.held.add(self.port)
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+
+def test_init_gives_each_server_its_own_port_even_when_the_kernel_reuses_one(
+    tmp_path, models, monkeypatch, unqualified
+):
+    monkeypatch.setattr("muser.cli.config.socket.socket", _LowestFreePort)
+    path = init_cluster(tmp_path / "c", target=models[0], draft=models[1])
+    cfg = load_config(path)
+    ports = {cfg.verifier.address, cfg.verifier.http, cfg.proposer.address, cfg.proposer.http}
+    assert sorted(a.rsplit(":", 1)[1] for a in ports) == ["20000", "20001", "20002", "20003"]
+    check_rules(cfg)
+
+
 def test_private_keys_are_written_0600(cluster_file):
     cfg = load_config(cluster_file)
     for key in (cfg.verifier.key, cfg.proposer.key):

@@ -17,6 +17,7 @@ import pytest
 
 from cluster_config.schema import ConfigError
 from muser.cli import verifier as verifier_cli
+from muser.cli.config import free_ports
 from muser.keys import key_id
 from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -49,26 +50,21 @@ sys.exit(args.func(args))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_config(key_set, tmp_path: Path) -> Path:
     d = key_set.dir
     path = tmp_path / "cluster.toml"
+    verifier_port, proposer_port = free_ports(2)
     path.write_text(
         textwrap.dedent(f"""\
         [verifier]
-        address = "127.0.0.1:{free_port()}"
+        address = "127.0.0.1:{verifier_port}"
         key = "{d / "verifier.key"}"
         public_key = "{d / "verifier.pub"}"
         wal_dir = "wal"
         target = "no-target"
 
         [proposer]
-        address = "127.0.0.1:{free_port()}"
+        address = "127.0.0.1:{proposer_port}"
         key = "{d / "proposer.key"}"
         public_key = "{d / "proposer.pub"}"
         wal_dir = "proposer-wal"
