@@ -154,6 +154,8 @@ class Drafter:
         """Draft on `cursor` (default: the drafter's own; a branch drafts on its clone)."""
         if depth == 0:
             return Draft([], [])
+        if stop is not None and stop.is_set():  # stopped before it began (D = 1 checks only here)
+            raise Stopped
         cursor = cursor or self.cursor
         rng = state.copy()
         todo = cursor.prepare(transcript)

@@ -172,3 +172,18 @@ def test_speculation_refuses_a_cursor_another_session_moved(models):
     assert mine.speculate(prompts[0], state, proposal, 4, ()) is None
     again = mine.draft(prompts[0], state, 4)
     assert again.drafts == proposal.drafts
+
+
+@pytest.mark.parametrize("next_depth", [1, 4])
+def test_a_speculation_stopped_before_it_began_drafts_nothing(models, next_depth):
+    # D = 1 drafts its only token from the first row: the stop is read before that row
+    prompts, _, load_draft = models
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+    drafter = Drafter(load_draft(), params)
+    state = Mt19937.from_seed(0)
+    proposal = drafter.draft(prompts[0], state, 4)
+    stop = threading.Event()
+    stop.set()
+    spec = drafter.speculate(prompts[0], state, proposal, next_depth, (), stop)
+    assert spec is not None and spec.proposal is None
+    assert spec.emitted[:4] == proposal.drafts
