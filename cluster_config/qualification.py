@@ -62,7 +62,9 @@ forward: over 24 fixture prompts x 256 tokens the worst entry measured 1.1e-5 (s
 tests/lanes/test_local_lane.py), so 1e-4 leaves ~9x headroom while a lane whose rows come
 from the wrong position or cache differs by orders of magnitude more. Reduced-precision
 targets (bfloat16, float16) need a wider `--tolerance`, which the receipt records."""
-UNBOUND_LANE_KNOBS = frozenset({"receipt", "acceptance_floor", "speculate", "speculate_branches"})
+UNBOUND_LANE_KNOBS = frozenset(
+    {"receipt", "acceptance_floor", "speculate", "speculate_branches", "lookahead"}
+)
 """Lane fields that are not lane params: where the receipt lives, the floor (checked
 against the recorded acceptance instead, so raising it above the evidence voids the receipt),
 and speculation, which only decides when a draft is computed, never what it is

@@ -178,6 +178,14 @@ class Lane(_Strict):
         "nothing else to draft (needs draft_batch and a torch draft; 0: full acceptance "
         "only; never changes the tokens).",
     )
+    lookahead: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Name each round drafted ahead to the verifier before its request "
+        "(Lookahead hints), so the verifier can evaluate it while the request is on its way "
+        "and use those rows when the request names the same tokens (never changes the "
+        "tokens). auto: on unless the verifier's address is a loopback one (on one machine "
+        "that early forward competes with the draft for the same cores).",
+    )
     draft_batch: bool = Field(
         True,
         description="Draft the rounds of sessions waiting in the proposer's draft thread "

@@ -67,6 +67,7 @@ def cluster_lanes(
             text = text.replace('wal_dir = "wal/proposer"', f'wal_dir = "wal/proposer-{delay:g}ms"')
             text = text.replace(f'http = "{config.proposer.http}"\n', "")  # one proposer per RTT
             if delay > 0:
+                text = as_remote(text)
                 proxy = TcpProxy((host, int(port)), delay_s=delay / 2000)
                 proxy.start()
                 stack.callback(proxy.close)
@@ -84,6 +85,16 @@ def cluster_lanes(
             if draft_range is not None:
                 lanes[f"{name}-adaptive"] = _lane(stream_generate, proposer_addr, params, 0)
         yield lanes
+
+
+def as_remote(text: str) -> str:
+    """`config init`'s cluster.toml for a verifier behind an injected delay: that verifier
+    stands for another machine's, so lane.lookahead is on (auto would see the delay
+    proxy's loopback address and leave it off)."""
+    line = 'lookahead = "auto"\n'
+    if line not in text:
+        raise ValueError('cluster.toml: no `lookahead = "auto"` line in the [lane] section')
+    return text.replace(line, 'lookahead = "on"\n', 1)
 
 
 def with_target_device(text: str, device: str) -> str:

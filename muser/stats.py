@@ -338,6 +338,12 @@ class VerifierStats(LaneStats, DaemonStats):
     kv_rebuilt_tokens: int = 0
     """Transcript tokens re-evaluated because a session's KV was not held (first round after
     an eviction or a restart, or sessions interleaving on a backend with one shared KV)."""
+    lookaheads: int = 0
+    """Rounds evaluated before their request, on the proposer's Lookahead hint."""
+    lookahead_hits: int = 0
+    """Rounds whose request named the tokens of their lookahead: no forward of their own."""
+    lookahead_s: float = 0.0
+    """Target wall of every lookahead forward, the ones no request used included."""
 
     def observe_batch(self, size: int, waiting: int) -> None:
         """A batch of `size` rounds starts; `waiting` rounds stay queued behind it."""

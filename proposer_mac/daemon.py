@@ -8,6 +8,7 @@ reconnects with its session id and a token offset receives the rest without gaps
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -87,6 +88,7 @@ class ProposerCore:
             channel=self.channel,
             speculate=config.lane.speculate,
             branches=config.lane.speculate_branches,
+            lookahead=lookahead_on(config.lane.lookahead, config.verifier.address),
             batch_with=draft if self.draft_batch else None,
         )
         self._background: set[asyncio.Future] = set()
@@ -264,6 +266,21 @@ class ProposerCore:
         runner = self._runner(session)
         self._start(runner)
         return runner
+
+
+def lookahead_on(setting: str, verifier_address: str) -> bool:
+    """lane.lookahead: "on", "off", or "auto", which is on unless the verifier's address is
+    a loopback one (a verifier on this machine: its early forward would compete with the
+    draft for the same cores)."""
+    if setting != "auto":
+        return setting == "on"
+    host = verifier_address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not this machine's loopback
+        return True
 
 
 def draft_kv(draft, batch: bool):

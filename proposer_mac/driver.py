@@ -76,6 +76,8 @@ class Speculating:
     thread; its full-acceptance guess is the one `drafts` announces."""
     chosen: list[list[int]] = field(default_factory=list)
     """Branches: the emission the verifier decided, once known (the others then stop)."""
+    told: list[int] = field(default_factory=list)
+    """What the verifier decided the round in flight emits, once known (empty until then)."""
 
     def choose(self, emitted: list[int]) -> None:
         """The round emits `emitted`, one of the branches: only that one goes on."""
@@ -115,6 +117,28 @@ def _held(result, tokens: list[int], depth: int) -> Speculation | Branch | None:
         ):
             return c
     return None
+
+
+def _look_ahead(stream, spec: Speculating, round_: int) -> None:
+    """Once `spec` has drafted round `round_`, name its drafts to the verifier (Lookahead
+    hints: it may evaluate the round before its request arrives): every guess's while the
+    decision on the round before is not known (the verifier runs the one that held), only
+    the decided emission's after it."""
+
+    def send(future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        result = future.result()[0]
+        for c in result if isinstance(result, list) else [result]:
+            guess = c.speculation if isinstance(c, Branch) else c
+            if guess is None or guess.proposal is None or not guess.proposal.drafts:
+                continue
+            if spec.told and guess.emitted != spec.told:
+                continue
+            drafts = list(guess.proposal.drafts)
+            _in_background(stream.look_ahead(round_, list(guess.emitted), drafts))
+
+    spec.future.add_done_callback(send)
 
 
 def _drop_clones(result, keep: Branch | None = None) -> None:
@@ -326,6 +350,8 @@ class SessionRunner:
             nonlocal speculation, to_speculate, ack_due
             if to_speculate is not None:
                 speculation, to_speculate = self._start_speculation(to_speculate), None
+                if speculation is not None and stream is not None and lookahead:
+                    _look_ahead(stream, speculation, s.next_round + 1)
             if ack_due is not None and stream is not None:
                 _in_background(stream.ack(ack_due))  # after the request: off its path
                 ack_due = None
@@ -333,8 +359,15 @@ class SessionRunner:
         def decided(d: pb.Decision) -> None:
             nonlocal speculation
             if in_flight is not None and to_speculate is None:
+                ahead = speculation
                 speculation = self._follow_decision(speculation, in_flight, d)
+                if speculation is not None:
+                    emitted = [*in_flight.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
+                    speculation.told[:] = emitted
+                    if speculation is not ahead and stream is not None and lookahead:
+                        _look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
 
+        lookahead = core.lookahead
         backoff = 0.05
         draft_s, round_start = 0.0, time.perf_counter()
         while not s.done and not (self.cancelled and s.prepared is None):
@@ -467,10 +500,14 @@ class DriverContext:
         speculate: bool = True,
         branches: int = 4,
         batch_with: MultiSequenceBackend | None = None,
+        lookahead: bool = False,
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
         self.speculate = speculate
         """Draft round r+1 while round r is at the verifier (lane.speculate)."""
+        self.lookahead = lookahead
+        """Name each round drafted ahead to the verifier before its request (lane.lookahead,
+        resolved)."""
         self.branches = branches
         """Greedy: draft it on the first `branches` rejection points too, each with the
         draft's runner-up there (lane.speculate_branches; 0: full acceptance only)."""

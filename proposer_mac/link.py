@@ -158,5 +158,14 @@ class RoundStream:
                 pb.ProposerMessage(ack=pb.Ack(session_id=self.session_id, round=round_))
             )
 
+    async def look_ahead(self, round_: int, after: list[int], drafts: list[int]) -> None:
+        """Best effort, like `ack`: name the drafts of round `round_`, drafted on the round
+        before emitting `after`, ahead of its request (the verifier may evaluate them early);
+        a lost hint costs only that head start."""
+        with contextlib.suppress(MuserError):
+            await self._write(
+                pb.ProposerMessage(lookahead=pb.Lookahead(round=round_, after=after, drafts=drafts))
+            )
+
     def close(self) -> None:
         self.call.cancel()

@@ -72,18 +72,18 @@ class RoundComputer:
         serialises the target. A failure is its own round's: the others go on."""
         with self._lock:
             t0 = self.clock()
-            computed = self._compute_batch(jobs)
+            computed, ahead_s = self._compute_batch(jobs)
             share = (self.clock() - t0) / len(jobs)
         for job, c in zip(jobs, computed, strict=True):
             if job.on_decided is not None and not isinstance(c, BaseException):
                 _tell(job, c[0])  # the early decision: before signing and the commit
         out: list[tuple | BaseException] = []
-        for job, c in zip(jobs, computed, strict=True):
+        for job, c, early in zip(jobs, computed, ahead_s, strict=True):
             if isinstance(c, BaseException):
                 out.append(c)
                 continue
-            try:
-                out.append(self._sign(job, *c, verify_s=share))
+            try:  # a round served by a lookahead counts the forward it took then
+                out.append(self._sign(job, *c, verify_s=share + early))
             except Exception as exc:  # raised in the round's own coroutine
                 out.append(exc)
         return out
@@ -118,10 +118,11 @@ class RoundComputer:
         timings = {"verify_s": verify_s, "sign_s": self.clock() - t0, "wal_s": 0.0}
         return decision, result, captures, post, signed, timings
 
-    def _compute_batch(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
+    def _compute_batch(self, jobs: list[RoundJob]) -> tuple[list[tuple | BaseException], list]:
         """Witness rows (one forward for the rounds without capture), judge, settle each
         round's KV. Runs in the worker thread under the backend lock. `verify_s` of a batched
-        round is its share of the batch's compute wall, so the sums stay the target's wall."""
+        round is its share of the batch's compute wall, so the sums stay the target's wall;
+        also returns each round's lookahead seconds (the forward made before its request)."""
         out: list[tuple | BaseException | None] = [None] * len(jobs)
         executors = [self.kv.executor(job.state.session_id) for job in jobs]
         logits: dict[int, np.ndarray] = {}
@@ -160,7 +161,30 @@ class RoundComputer:
                 out[i] = self._judge(job, ex, logits[i], captured.get(i, {}))
             except Exception as exc:
                 out[i] = exc
-        return out  # type: ignore[return-value]
+        ahead_s = [ex.ahead_s if i in batched else 0.0 for i, ex in enumerate(executors)]
+        self.stats.lookahead_hits += sum(1 for s in ahead_s if s > 0)
+        return out, ahead_s  # type: ignore[return-value]
+
+    def look_ahead(self, session_id: bytes, transcript: list[int], drafts: list[int]) -> bool:
+        """Evaluate a round before its request (`TargetExecutor.look_ahead`), on the KV the
+        session already holds (a session whose KV is not held gets none: no eviction and no
+        rebuild for a hint). Runs in a worker thread; the caller holds the session's lock.
+        False when it did not run."""
+        with self._lock:
+            ex = self.kv.holding(session_id)
+            if ex is None:
+                return False
+            try:
+                seconds = ex.look_ahead(transcript, drafts, self.clock)
+            except Exception as exc:  # a hint that cannot be evaluated changes nothing
+                ex.cursor.realign()
+                log.debug("a lookahead was not evaluated: %s", exc)
+                return False
+            if seconds is None:
+                return False
+            self.stats.lookaheads += 1
+            self.stats.lookahead_s += seconds
+            return True
 
     def _decode_batch(self, jobs: list[RoundJob], executors: list, which: list[int], out: list):
         """The decode rounds `which` of the batch, in lockstep (`decode_batch`): out[i] gets

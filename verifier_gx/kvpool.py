@@ -38,6 +38,12 @@ class KvPool:
         self._held: OrderedDict[bytes, TargetExecutor] = OrderedDict()
         self._lock = threading.Lock()  # the compute thread takes, the event loop drops
 
+    def holding(self, session_id: bytes) -> TargetExecutor | None:
+        """The session's executor when its KV is held; None otherwise (nothing evicted, the
+        recency order unchanged)."""
+        with self._lock:
+            return self._held.get(session_id)
+
     def executor(self, session_id: bytes) -> TargetExecutor:
         """The session's executor, now the most recently used; evicts the least recently
         used beyond the cap (call for every session of a batch before computing it: a batch

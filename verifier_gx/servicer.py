@@ -118,6 +118,23 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
 }
 
 
+_hints: set[asyncio.Task] = set()
+"""Lookahead tasks in flight (the loop keeps only weak references to tasks)."""
+
+
+def _beside(coro) -> None:
+    """Run a hint's coroutine beside the stream; its failure is logged, never raised."""
+    task = asyncio.ensure_future(coro)
+    _hints.add(task)
+
+    def done(t: asyncio.Task) -> None:
+        _hints.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("a lookahead failed: %s", t.exception())
+
+    task.add_done_callback(done)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and reason of the most specific class in the table."""
     for cls in type(exc).__mro__:
@@ -218,6 +235,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 error = self._fragment(session_id, msg.fragment)
                 if error is not None:
                     yield error
+            elif kind == "lookahead":  # a hint: it runs beside the stream, never answered
+                ahead = msg.lookahead
+                _beside(self.manager.look_ahead(session_id, ahead.round, list(ahead.after),
+                                                list(ahead.drafts)))  # fmt: skip
             elif kind == "ack":
                 if msg.ack.session_id == session_id:
                     self.manager.ack(session_id, msg.ack.round)
@@ -361,6 +382,7 @@ def status_json(manager: SessionManager) -> dict:
             "evictions": manager.kv.evictions,
             "rebuilt_tokens": s.kv_rebuilt_tokens,
         },
+        "lookahead": {"rounds": s.lookaheads, "hits": s.lookahead_hits, "s": s.lookahead_s},
         "target": {
             "model_digest": t.model_digest,
             "tokenizer_digest": t.tokenizer_digest,

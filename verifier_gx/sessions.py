@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -458,6 +458,33 @@ class SessionManager:
             check_drafts(state, request, self.target.vocab_size)
             check_decode(state, request, self.max_decode_len)
             return await self._commit(state, request, digest, on_decided)
+
+    async def look_ahead(
+        self, session_id: bytes, round_: int, after: Sequence[int], drafts: Sequence[int]
+    ) -> bool:
+        """The proposer's Lookahead hint: once round `round_` - 1 is committed, and only if it
+        emitted `after`, evaluate round `round_`, [after[-1], *drafts] after the transcript,
+        before its request (`TargetExecutor.look_ahead`). Only when that is the session's
+        next round, the session holds its KV and captures nothing, the drafts fit what is
+        left, and no round waits for the target (rounds go first). Never refused, never
+        written: False when it did not run."""
+        if session_id not in self.replay.sessions or not drafts or not after:
+            return False
+        async with self._lock(session_id):  # after the round in progress, if any
+            state = self.replay.sessions.get(session_id)  # closed while we waited?
+            if (
+                state is None
+                or state.done
+                or state.next_round != round_
+                or len(after) > len(state.transcript)
+                or state.transcript[-len(after) :] != [int(t) for t in after]
+                or len(drafts) > max(0, state.remaining - 1)
+                or state.open.capture_layers
+                or self.batcher.depth > 0
+            ):
+                return False
+            transcript, tokens = list(state.transcript), [int(d) for d in drafts]
+            return await asyncio.to_thread(self.computer.look_ahead, session_id, transcript, tokens)
 
     def _retry(self, state, request, digest, stored) -> RoundOutcome:
         stored_digest, stored_bytes = stored

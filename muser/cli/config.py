@@ -50,6 +50,9 @@ draft_batch = true
 # greedy: while a round is away, draft the next one on full acceptance and on the rejection
 # of each of the first N drafts (the draft's runner-up as the target's pick), together
 speculate_branches = 4
+# name each round drafted ahead to the verifier before its request, so it can evaluate it
+# early; auto: on unless the verifier is on this machine (loopback)
+lookahead = "auto"
 # `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
 receipt = "qualification.json"
 acceptance_floor = 0.25

@@ -210,17 +210,29 @@ class RoundError(_message.Message):
     missing: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, round: _Optional[int] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class Lookahead(_message.Message):
+    __slots__ = ("round", "after", "drafts")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    after: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., after: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ProposerMessage(_message.Message):
-    __slots__ = ("attach", "request", "fragment", "ack")
+    __slots__ = ("attach", "request", "fragment", "ack", "lookahead")
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     attach: Attach
     request: RoundRequest
     fragment: Fragment
     ack: Ack
-    def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., request: _Optional[_Union[RoundRequest, _Mapping]] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
+    lookahead: Lookahead
+    def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., request: _Optional[_Union[RoundRequest, _Mapping]] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., lookahead: _Optional[_Union[Lookahead, _Mapping]] = ...) -> None: ...
 
 class Decision(_message.Message):
     __slots__ = ("round", "accepted", "next_frontier", "decoded")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster_config import load_config
-from muser.bench_cluster import with_target_device
+from muser.bench_cluster import as_remote, with_target_device
 from muser.cli.config import init_cluster
 from muser.cli.main import main
 
@@ -27,7 +27,9 @@ def test_a_cuda_target_without_cuda_is_refused_before_any_work(suite, tmp_path, 
 def test_a_device_torch_cannot_run_the_target_on_is_refused(tmp_path, capsys):
     code = main(["bench", "--target-device", "mps", "--receipt", str(tmp_path / "r.json")])
     assert code == 2
-    assert "device 'mps' refused: the torch backend runs on cpu or cuda[:N]" in capsys.readouterr().err
+    assert (
+        "device 'mps' refused: the torch backend runs on cpu or cuda[:N]" in capsys.readouterr().err
+    )
 
 
 def test_the_device_lands_in_the_verifier_section_only(tmp_path):
@@ -39,6 +41,16 @@ def test_the_device_lands_in_the_verifier_section_only(tmp_path):
     assert config.verifier.device == "cuda:1"
     assert path.read_text().count('device = "cuda:1"') == 1
     assert path.read_text().replace('device = "cuda:1"\n', "") == text
+
+
+def test_a_delayed_verifier_runs_with_lookahead_on(tmp_path):
+    path = init_cluster(tmp_path, target=tmp_path / "t", draft=tmp_path / "d", draft_len=4)
+    text = path.read_text()
+    assert load_config(path).lane.lookahead == "auto"
+    path.write_text(as_remote(text))
+    assert load_config(path).lane.lookahead == "on"
+    with pytest.raises(ValueError, match="no `lookahead"):
+        as_remote(text.replace('lookahead = "auto"\n', ""))
 
 
 def test_a_file_without_the_torch_backend_line_is_refused():

@@ -80,7 +80,7 @@ async def start(
 
 @pytest_asyncio.fixture
 async def cluster(key_set, tmp_path):
-    c = await start(key_set, tmp_path)
+    c = await start(key_set, tmp_path, lane={"lookahead": "on"})  # hints on every path
     yield c
     await stop(c)
 
@@ -238,14 +238,14 @@ async def stop(c: Cluster) -> None:
 async def test_lane_speculate_switches_latency_hiding_and_never_the_tokens(key_set, tmp_path):
     runs = {}
     for flag in (True, False):
-        c = await start(key_set, tmp_path / str(flag), speculate=flag)
+        c = await start(key_set, tmp_path / str(flag), speculate=flag, lane={"lookahead": "on"})
         try:
             runner = await c.server.core.start_session(PROMPT, PARAMS)
             await runner.task
-            runs[flag] = list(runner.session.emitted), runner.stats
+            runs[flag] = list(runner.session.emitted), runner.stats, c.verifier.manager.stats
         finally:
             await stop(c)
-    (on, on_stats), (off, off_stats) = runs[True], runs[False]
+    (on, on_stats, on_verifier), (off, off_stats, off_verifier) = runs[True], runs[False]
     assert on == off and len(on) == PARAMS.max_tokens
     assert on_stats.speculated > 0 and off_stats.speculated == 0
     assert on_stats.speculated < on_stats.rounds
@@ -253,6 +253,44 @@ async def test_lane_speculate_switches_latency_hiding_and_never_the_tokens(key_s
     # draft was made ahead of its result
     assert on_stats.decisions_followed > 0 and off_stats.decisions_followed == 0
     assert on_stats.speculation_hits == on_stats.speculated
+    # each draft made ahead was named to the verifier once the decision was known: it
+    # evaluated the next round before its request (and the request took those rows)
+    assert on_verifier.lookahead_hits > 0 and off_verifier.lookaheads == 0
+
+
+@pytest.mark.asyncio
+async def test_lane_lookahead_names_rounds_ahead_and_never_changes_the_tokens(key_set, tmp_path):
+    runs = {}
+    for setting in ("on", "off", "auto"):  # auto: the verifier is on loopback here, so off
+        c = await start(key_set, tmp_path / setting, lane={"lookahead": setting})
+        try:
+            runner = await c.server.core.start_session(PROMPT, PARAMS)
+            await runner.task
+            runs[setting] = list(runner.session.emitted), c.verifier.manager.stats
+        finally:
+            await stop(c)
+    assert runs["on"][0] == runs["off"][0] == runs["auto"][0]
+    assert runs["on"][1].lookahead_hits > 0
+    assert runs["off"][1].lookaheads == runs["auto"][1].lookaheads == 0
+
+
+@pytest.mark.parametrize(
+    ("setting", "address", "on"),
+    [
+        ("auto", "127.0.0.1:7000", False),
+        ("auto", "127.8.0.3:7000", False),
+        ("auto", "localhost:7000", False),
+        ("auto", "[::1]:7000", False),
+        ("auto", "10.0.0.7:7000", True),
+        ("auto", "gx10.lan:7000", True),
+        ("on", "127.0.0.1:7000", True),
+        ("off", "10.0.0.7:7000", False),
+    ],
+)
+def test_lookahead_auto_is_off_for_a_verifier_on_this_machine(setting, address, on):
+    from proposer_mac.daemon import lookahead_on
+
+    assert lookahead_on(setting, address) is on
 
 
 @pytest.mark.asyncio
