@@ -166,6 +166,8 @@ class SessionManager:
         them is taken."""
         self.fragments = FragmentStage()
         self._locks: dict[bytes, asyncio.Lock] = {}
+        self._looked_ahead: dict[bytes, int] = {}
+        """Per session, the round its last lookahead ran for (one forward per round)."""
         self._open_lock = asyncio.Lock()
         self.computer = RoundComputer(backend, self.kv, signing_key, self.stats, clock)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
@@ -401,6 +403,7 @@ class SessionManager:
             self.fragments.drop_session(session_id)
             self.kv.drop(session_id)
             self._locks.pop(session_id, None)
+            self._looked_ahead.pop(session_id, None)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
 
     # ---- fragments ------------------------------------------------------------------------
@@ -466,8 +469,9 @@ class SessionManager:
         emitted `after`, evaluate round `round_`, [after[-1], *drafts] after the transcript,
         before its request (`TargetExecutor.look_ahead`). Only when that is the session's
         next round, the session holds its KV and captures nothing, the drafts fit what is
-        left, and no round waits for the target (rounds go first). Never refused, never
-        written: False when it did not run."""
+        left, no round waits for the target (rounds go first), and no lookahead ran for
+        this round yet (a hint is worth one forward). Never refused, never written: False
+        when it did not run."""
         if session_id not in self.replay.sessions or not drafts or not after:
             return False
         async with self._lock(session_id):  # after the round in progress, if any
@@ -481,8 +485,10 @@ class SessionManager:
                 or len(drafts) > max(0, state.remaining - 1)
                 or state.open.capture_layers
                 or self.batcher.depth > 0
+                or self._looked_ahead.get(session_id) == round_
             ):
                 return False
+            self._looked_ahead[session_id] = round_
             transcript, tokens = list(state.transcript), [int(d) for d in drafts]
             return await asyncio.to_thread(self.computer.look_ahead, session_id, transcript, tokens)
 

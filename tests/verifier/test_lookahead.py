@@ -219,6 +219,9 @@ async def test_a_lookahead_that_is_not_the_next_round_is_ignored(verifier):
     assert not await manager.look_ahead(b"\x07" * 16, nxt.round, after, drafts)  # unknown
     assert manager.stats.lookaheads == 0
     assert verifier.snapshot(sid) == before
+    assert await manager.look_ahead(sid, nxt.round, after, drafts)
+    assert not await manager.look_ahead(sid, nxt.round, after, [*drafts[:-1], 0])  # one a round
+    assert manager.stats.lookaheads == 1 and verifier.snapshot(sid) == before
     msg, _ = await stream.round_trip(client.sign(nxt))  # the session goes on as ever
     client.accept(nxt, msg)
     await stream.close()
