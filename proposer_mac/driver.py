@@ -24,7 +24,6 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -39,9 +38,10 @@ from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
 from proposer_mac.draft_queue import DraftQueue
-from proposer_mac.drafting import Branch, Draft, Drafter, Speculation
+from proposer_mac.drafting import Branch, Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.session import ProposerSession
+from proposer_mac.speculating import Speculating, drop_clones, held_guess
 
 log = logging.getLogger("muser.proposer")
 
@@ -59,94 +59,17 @@ QUEUE_FULL = "round_queue_full"
 """The refusal reason of a verifier whose round queue is full: re-send after a backoff."""
 
 
-@dataclass(frozen=True)
-class Speculating:
-    """A speculative draft of the next round, running in the draft thread."""
-
-    future: asyncio.Future
-    stop: threading.Event
-    drafts: list[int]
-    """What the draft assumes the round in flight emits before its last token (its drafts,
-    all accepted, for a guess; the decided tokens for a followed decision)."""
-    emitted: list[int] = field(default_factory=list)
-    """Everything it assumes the round emits; a guess fills it in the draft thread once its
-    bonus token is picked (empty until then)."""
-    branches: list[list[int]] = field(default_factory=list)
-    """Branches (`Drafter.branch_steps`): every emission guessed so far, filled in the draft
-    thread; its full-acceptance guess is the one `drafts` announces."""
-    chosen: list[list[int]] = field(default_factory=list)
-    """Branches: the emission the verifier decided, once known (the others then stop)."""
-    told: list[int] = field(default_factory=list)
-    """What the verifier decided the round in flight emits, once known (empty until then)."""
-
-    def choose(self, emitted: list[int]) -> None:
-        """The round emits `emitted`, one of the branches: only that one goes on."""
-        if self.branches and not self.chosen:
-            self.chosen.append(list(emitted))  # read by the draft thread: one append
-
-    def drafts_on(self, emitted: list[int]) -> bool:
-        """Whether it drafts, or may yet draft, on a round that emits `emitted`."""
-        return emitted == self.emitted or emitted in self.branches
-
-    def may_draft_on(self, emitted: list[int]) -> bool:
-        """`drafts_on`, or its full-acceptance guess is not yet known and may be this."""
-        return emitted[:-1] == self.drafts or self.drafts_on(emitted)
-
-    def drop(self) -> None:
-        """Its draft will not be used: stop it between two forwards, and once it ends drop
-        the KV of any clones it drafted on (the draft thread no longer touches them)."""
-        self.stop.set()
-        self.future.add_done_callback(_release)
-
-
-def _release(future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception() is None:
-        _drop_clones(future.result()[0])
-
-
-def _held(result, tokens: list[int], depth: int) -> Speculation | Branch | None:
-    """The guess in a speculation job's result (one `Speculation`, or a list of `Branch`)
-    that drafted `depth` tokens on a round that emitted `tokens`, if any."""
-    for c in result if isinstance(result, list) else [result]:
-        guess = c.speculation if isinstance(c, Branch) else c
-        if (
-            guess is not None
-            and guess.proposal is not None
-            and guess.emitted == tokens
-            and guess.depth == depth
-        ):
-            return c
-    return None
-
-
 def _look_ahead(stream, spec: Speculating, round_: int) -> None:
-    """Once `spec` has drafted round `round_`, name its drafts to the verifier (Lookahead
-    hints: it may evaluate the round before its request arrives): every guess's while the
-    decision on the round before is not known (the verifier runs the one that held), only
-    the decided emission's after it."""
+    """Once `spec` has drafted round `round_`, name its guesses to the verifier (Lookahead
+    hints, `Speculating.to_name`): it may evaluate the one that held before its request."""
 
     def send(future: asyncio.Future) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return
-        result = future.result()[0]
-        for c in result if isinstance(result, list) else [result]:
-            guess = c.speculation if isinstance(c, Branch) else c
-            if guess is None or guess.proposal is None or not guess.proposal.drafts:
-                continue
-            if spec.told and guess.emitted != spec.told:
-                continue
-            drafts = list(guess.proposal.drafts)
-            _in_background(stream.look_ahead(round_, list(guess.emitted), drafts))
+        if not future.cancelled() and future.exception() is None:
+            for guess in spec.to_name(future.result()[0]):
+                drafts = list(guess.proposal.drafts)
+                _in_background(stream.look_ahead(round_, list(guess.emitted), drafts))
 
     spec.future.add_done_callback(send)
-
-
-def _drop_clones(result, keep: Branch | None = None) -> None:
-    """Drop the KV of the clones a branch job drafted on (a list of `Branch`), but `keep`'s;
-    any other job's result drafted on the session's own sequence and has none."""
-    for branch in result if isinstance(result, list) else []:
-        if branch is not keep:
-            branch.cursor.backend.reset()
 
 
 class SessionRunner:
@@ -313,8 +236,8 @@ class SessionRunner:
             self.stats.speculated += 1
             s = self.session
             depth = s.width.choose(s.params.max_tokens - len(s.emitted))
-            held = _held(spec, tokens, depth)
-            _drop_clones(spec, keep=held)  # the clones whose guesses failed
+            held = held_guess(spec, tokens, depth)
+            drop_clones(spec, keep=held)  # the clones whose guesses failed
             if held is not None:
                 self.stats.speculation_hits += 1
                 if isinstance(held, Branch):

@@ -46,7 +46,7 @@ class TargetExecutor:
             return None
         tokens = [int(transcript[-1]), *(int(d) for d in drafts)]
         t0 = clock()
-        self.cursor.hold(transcript[:-1])
+        self.cursor.hold(kept)  # drops what it holds past `kept` (nothing to evaluate)
         rows = self.cursor.extend(tokens)
         seconds = clock() - t0
         self._ahead = (tokens, rows, seconds)
