@@ -437,6 +437,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             "active": sum(1 for r in core.runners.values() if not r.session.done),
             # "mlx:gpu", "mlx:cpu", "torch:cpu": where the draft runs, as loaded (never assumed)
             "draft_device": getattr(core.draft, "device_label", "unknown"),
+            # torch: "lean" or "transformers" (the backend's forward); absent for mlx
+            "draft_forward": getattr(core.draft, "forward_kind", None),
             # rounds of concurrent sessions drafted together (lane.draft_batch): size -> batches
             "drafting": {
                 "batch": core.draft_batch,

@@ -388,5 +388,7 @@ def status_json(manager: SessionManager) -> dict:
             "tokenizer_digest": t.tokenizer_digest,
             "vocab_size": t.vocab_size,
             "device": _device_label(manager.backend),
+            # torch: "lean" (the lean Llama forward) or "transformers"; absent for others
+            "forward": getattr(manager.backend, "forward_kind", None),
         },
     }

@@ -96,6 +96,11 @@ def _sizes(histogram: dict | None) -> str:
     return " ".join(f"{k}×{n}" for k, n in items) or "-"
 
 
+def _forward(kind: str | None) -> str:
+    """The status line suffix naming the torch forward (lean or transformers; none for others)."""
+    return f", {kind} forward" if kind else ""
+
+
 def summary(status: dict) -> list[str]:
     """The human lines of one daemon's Status JSON."""
     if not status:
@@ -113,9 +118,10 @@ def summary(status: dict) -> list[str]:
         f"({wal.get('fsyncs', 0)} fsyncs)",
     ]
     if status.get("draft_device"):
-        lines.append(f"draft on {status['draft_device']}")
-    if (status.get("target") or {}).get("device"):
-        lines.append(f"target on {status['target']['device']}")
+        lines.append(f"draft on {status['draft_device']}" + _forward(status.get("draft_forward")))
+    target = status.get("target") or {}
+    if target.get("device"):
+        lines.append(f"target on {target['device']}" + _forward(target.get("forward")))
     batching, drafting = status.get("batching") or {}, status.get("drafting") or {}
     if batching.get("batches"):
         lines.append(
@@ -128,9 +134,7 @@ def summary(status: dict) -> list[str]:
         state = "on" if drafting.get("batch") else "off (lane.draft_batch)"
         lines.append(f"draft batches {state}: sizes {_sizes(drafting['batch_sizes'])}")
     if status.get("resumes"):
-        lines.append(
-            f"resumed {status['resumes']} session(s) from a proposer's signed round"
-        )
+        lines.append(f"resumed {status['resumes']} session(s) from a proposer's signed round")
     if status.get("verifier_ceiling_tok_s") is not None:
         lines.append(f"verifier-only ceiling {status['verifier_ceiling_tok_s']:.1f} tokens/s")
     if refusals:

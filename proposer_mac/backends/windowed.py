@@ -47,6 +47,10 @@ class WindowedBackend:
         return getattr(self.inner, "device_label", "unknown")
 
     @property
+    def forward_kind(self) -> str | None:
+        return getattr(self.inner, "forward_kind", None)
+
+    @property
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 

@@ -199,4 +199,7 @@ async def test_status_reports_where_draft_and_target_run(key_set, tmp_path, llam
     assert got["serving"] and got["status"]["draft_device"] == expected
     assert f"draft on {expected}" in summary(got["status"])
     assert seen["status"]["target"]["device"] == "torch:cpu"
-    assert "target on torch:cpu" in summary(seen["status"])
+    assert seen["status"]["target"]["forward"] == "lean"  # a Llama under sdpa: the lean forward
+    assert got["status"]["draft_forward"] is None  # mlx has no such choice
+    assert "target on torch:cpu, lean forward" in summary(seen["status"])
+    assert summary(got["status"]).count("forward") == 0

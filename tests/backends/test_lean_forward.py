@@ -1,0 +1,133 @@
+"""The lean Llama forward (verifier_gx/backends/llama_forward.py): bit-equal rows to the
+transformers forward on both torch paths, used only where that holds, off on request."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.backends.backend_helpers import PROMPT, build_backend
+from verifier_gx.backends import llama_forward
+
+
+def _pair(path, **opts):
+    return build_backend("torch", path, **opts), build_backend("torch", path, lean=False, **opts)
+
+
+@pytest.mark.parametrize("rope_theta", [None, 500.0])
+def test_one_kv_rows_are_the_transformers_rows_bit_for_bit(checkpoint, rope_theta) -> None:
+    """The tiny llama has 4 query heads over 2 key/value heads: a prefill (attention's own
+    causal flag), single tokens (one query) and chunks after a cache (a materialised mask)
+    each take another branch of transformers' sdpa attention."""
+    lean, plain = _pair(checkpoint("llama"), rope_theta=rope_theta)
+    assert (lean.forward_kind, plain.forward_kind) == ("lean", "transformers")
+    chunks = [PROMPT[:7], PROMPT[7:8], PROMPT[8:11], PROMPT[11:12], PROMPT[12:]]
+    for chunk in chunks:
+        assert np.array_equal(lean.evaluate(chunk), plain.evaluate(chunk)), chunk
+    lean.rollback(6)
+    plain.rollback(6)
+    assert np.array_equal(lean.evaluate(PROMPT[3:9]), plain.evaluate(PROMPT[3:9]))
+
+
+def test_batched_rows_are_the_transformers_rows_bit_for_bit(checkpoint) -> None:
+    lean, plain = _pair(checkpoint("llama"))
+    ours = [lean.sequence() for _ in range(3)]
+    theirs = [plain.sequence() for _ in range(3)]
+    steps = [
+        [PROMPT[:5], PROMPT[:2], PROMPT[:9]],  # ragged prefills
+        [PROMPT[5:6], PROMPT[2:3], PROMPT[9:10]],  # one query each
+        [PROMPT[6:10], PROMPT[3:4]],  # ragged, one sequence sitting out
+        [PROMPT[10:11]],  # alone
+    ]
+    for step in steps:
+        a = lean.evaluate_batch(list(zip(ours, step, strict=False)))
+        b = plain.evaluate_batch(list(zip(theirs, step, strict=False)))
+        for x, y in zip(a, b, strict=True):
+            assert x.shape == y.shape and np.array_equal(x, y)
+
+
+def test_captured_rows_come_from_the_transformers_forward(checkpoint) -> None:
+    lean, plain = _pair(checkpoint("llama"))
+    rows, hidden = lean.evaluate_capture(PROMPT[:6], [0, 1])
+    ref_rows, ref_hidden = plain.evaluate_capture(PROMPT[:6], [0, 1])
+    assert np.array_equal(rows, ref_rows)
+    assert all(np.array_equal(hidden[i], ref_hidden[i]) for i in (0, 1))
+    assert np.array_equal(lean.evaluate(PROMPT[6:8]), plain.evaluate(PROMPT[6:8]))
+
+
+def test_lean_must_be_a_boolean(checkpoint) -> None:
+    from muser.errors import InvalidOverrideError
+    from verifier_gx.backends import load_target_backend
+
+    with pytest.raises(InvalidOverrideError, match=r"lean 'no' is invalid: expected true or"):
+        load_target_backend("torch", checkpoint("llama"), lean="no")
+    assert load_target_backend("torch", checkpoint("llama"), lean=False).forward_kind == (
+        "transformers"
+    )
+
+
+def test_the_windowed_draft_reports_its_inner_forward(checkpoint) -> None:
+    assert build_backend("windowed", checkpoint("llama")).forward_kind == "lean"
+    assert build_backend("windowed", checkpoint("llama"), lean=False).forward_kind == (
+        "transformers"
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_other_architectures_keep_the_transformers_forward(checkpoint, arch) -> None:
+    backend = build_backend("torch", checkpoint(arch))
+    assert backend.forward_kind == "transformers"
+    assert "architecture" in llama_forward.supports(backend._model)
+
+
+def test_a_lean_forward_that_disagrees_is_not_used(checkpoint, monkeypatch) -> None:
+    """The load-time check is what guards exactness: a forward off by one float step on the
+    logits must be caught, and the rows must then be the transformers rows."""
+    real = llama_forward.LeanLlama._layers
+
+    def off(self, hidden, position_ids, mask, cache):
+        import torch
+
+        out = real(self, hidden, position_ids, mask, cache)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))  # one float step up
+
+    monkeypatch.setattr(llama_forward.LeanLlama, "_layers", off)
+    backend, plain = _pair(checkpoint("llama"))
+    assert backend.forward_kind == "transformers"
+    assert np.array_equal(backend.evaluate(PROMPT[:5]), plain.evaluate(PROMPT[:5]))
+
+
+def _model(name="LlamaForCausalLM", **config):
+    base = dict(
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        _attn_implementation="sdpa",
+        rope_parameters={"rope_type": "default"},
+        pretraining_tp=1,
+    )
+    base.update(config)
+    return type(name, (), {"config": SimpleNamespace(**base)})()
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (_model(), None),
+        (_model(rope_parameters={"rope_type": "llama3"}), None),
+        (
+            _model("MistralForCausalLM"),
+            "architecture MistralForCausalLM (lean forward: LlamaForCausalLM)",
+        ),
+        (_model(attention_bias=True), "biased projections"),
+        (_model(mlp_bias=True), "biased projections"),
+        (_model(hidden_act="gelu"), "activation 'gelu'"),
+        (_model(_attn_implementation="eager"), "attention implementation 'eager'"),
+        (_model(rope_parameters={"rope_type": "dynamic"}), "rope type 'dynamic'"),
+        (_model(pretraining_tp=2), "pretraining_tp > 1"),
+    ],
+)
+def test_supports_names_what_it_does_not_model(model, reason) -> None:
+    assert llama_forward.supports(model) == reason

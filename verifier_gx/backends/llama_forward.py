@@ -1,0 +1,203 @@
+"""A lean forward for Llama-architecture checkpoints: the same torch operations as
+transformers' `LlamaForCausalLM`, in the same order, on the same loaded weights, without the
+per-module Python around them.
+
+For the project's small models most of a transformers forward is Python: module calls,
+decorators, output capture, mask and cache plumbing, a few hundred microseconds per decoder
+layer while the arithmetic takes tens. This forward calls the torch functions that the
+transformers modules call (`F.linear`, `F.embedding`, `F.scaled_dot_product_attention`, the
+RMSNorm and rotary arithmetic written out as there, transformers' own sdpa helpers for
+grouped heads and its own causal mask) on their very parameter tensors, so its logits are the
+transformers logits bit for bit. `lean_forward` checks that on every load before the backend
+uses it; a model where it does not hold keeps the transformers forward.
+
+Two entry points, one per `TorchBackend` path: `logits` for the ragged batch (positions, an
+additive float mask (B, 1, W, T) and a `_BatchKv` whose `update(k, v, layer)` stores the new
+keys/values and returns the full ones) and `solo_logits` for one sequence on a transformers
+`DynamicCache`. Loading stays transformers' own (`from_pretrained`); anything this file does
+not model exactly (another architecture, biases, a rope type whose inverse frequencies move
+with the length, another activation or attention implementation) is refused by `supports`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def supports(model: Any) -> str | None:
+    """None when `LeanLlama` reproduces `model`'s forward; otherwise why not."""
+    config = model.config
+    name = type(model).__name__
+    if name not in ARCHITECTURES:
+        return f"architecture {name} (lean forward: {', '.join(ARCHITECTURES)})"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biased projections"
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {getattr(config, '_attn_implementation', None)!r}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", "linear", "llama3"):
+        return f"rope type {rope.get('rope_type')!r}"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return None
+
+
+class LeanLlama:
+    """`model`'s forward as plain torch calls on its own parameters (see the module note)."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+        from transformers.integrations import sdpa_attention
+        from transformers.masking_utils import create_causal_mask
+
+        self._torch = torch
+        self._F = torch.nn.functional
+        self._sdpa = sdpa_attention
+        self._causal_mask = create_causal_mask
+        base = model.model
+        self.config = config = model.config
+        self.embed = base.embed_tokens.weight
+        self.padding_idx = base.embed_tokens.padding_idx
+        self.layers = [
+            (
+                layer.input_layernorm.weight,
+                layer.input_layernorm.variance_epsilon,
+                layer.self_attn.q_proj.weight,
+                layer.self_attn.k_proj.weight,
+                layer.self_attn.v_proj.weight,
+                layer.self_attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.variance_epsilon,
+                layer.mlp.gate_proj.weight,
+                layer.mlp.up_proj.weight,
+                layer.mlp.down_proj.weight,
+            )
+            for layer in base.layers[: config.num_hidden_layers]
+        ]
+        self.norm = (base.norm.weight, base.norm.variance_epsilon)
+        self.lm_head = model.lm_head.weight
+        self.head_dim = base.layers[0].self_attn.head_dim
+        self.groups = base.layers[0].self_attn.num_key_value_groups
+        self.scaling = base.layers[0].self_attn.scaling
+        self.inv_freq = base.rotary_emb.inv_freq
+        self.rope_scaling = base.rotary_emb.attention_scaling
+
+    def _rms(self, x, weight, eps):
+        torch = self._torch
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + eps)
+        return weight * x.to(dtype)
+
+    def _rotate_half(self, x):
+        half = x.shape[-1] // 2
+        return self._torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def logits(self, input_ids, position_ids, mask, cache):
+        """(B, W, V) logits of `input_ids` at `position_ids` after `cache`'s keys, under the
+        additive `mask` (B, 1, W, T); `cache.update(k, v, layer)` stores and returns keys."""
+        hidden = self._F.embedding(input_ids, self.embed, self.padding_idx)
+        return self._layers(hidden, position_ids, mask, cache)
+
+    def solo_logits(self, input_ids, cache):
+        """One sequence (1, W) after a transformers `DynamicCache`: the positions and the
+        mask transformers' `LlamaModel` makes for that call (none at all where attention's
+        own causal flag or a single query does)."""
+        torch = self._torch
+        hidden = self._F.embedding(input_ids, self.embed, self.padding_idx)
+        past = cache.get_seq_length()
+        position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
+        mask = self._causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        return self._layers(hidden, position_ids, mask, cache)
+
+    def _layers(self, hidden, position_ids, mask, cache):
+        torch, F = self._torch, self._F
+        freqs = position_ids[..., None].float() * self.inv_freq.to(
+            device=hidden.device, dtype=torch.float
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(hidden.dtype).unsqueeze(1)
+        sin = (emb.sin() * self.rope_scaling).to(hidden.dtype).unsqueeze(1)
+        batch, width = hidden.shape[:2]
+        shape = (batch, width, -1, self.head_dim)
+        for i, (ln1, eps1, wq, wk, wv, wo, ln2, eps2, wg, wu, wd) in enumerate(self.layers):
+            residual = hidden
+            x = self._rms(hidden, ln1, eps1)
+            q = F.linear(x, wq).view(shape).transpose(1, 2)
+            k = F.linear(x, wk).view(shape).transpose(1, 2)
+            v = F.linear(x, wv).view(shape).transpose(1, 2)
+            q = (q * cos) + (self._rotate_half(q) * sin)
+            k = (k * cos) + (self._rotate_half(k) * sin)
+            k, v = cache.update(k, v, i)
+            attn = self._attend(q, k, v, mask)
+            hidden = residual + F.linear(attn.reshape(batch, width, -1).contiguous(), wo)
+            residual = hidden
+            x = self._rms(hidden, ln2, eps2)
+            hidden = residual + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        hidden = self._rms(hidden, *self.norm)
+        return F.linear(hidden, self.lm_head)
+
+    def _attend(self, q, k, v, mask):
+        """transformers' `sdpa_attention_forward`, step for step (its own helpers)."""
+        sdpa = self._sdpa
+        groups, q_length = self.groups, q.shape[2]
+        extra = {}
+        if groups > 1:
+            if sdpa.use_gqa_in_sdpa(mask, k, v):
+                extra["enable_gqa"] = True
+            elif q_length == 1:  # one query: a key/value head's query group rides the length axis
+                q, mask = sdpa.pack_gqa(q, groups), sdpa.pack_gqa(mask, groups)
+            else:
+                k, v = sdpa.repeat_kv(k, groups), sdpa.repeat_kv(v, groups)
+        is_causal = q_length > 1 and mask is None
+        if is_causal and k.shape[2] > q_length:
+            k, v = k[:, :, :q_length], v[:, :, :q_length]
+        out = self._F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=is_causal, **extra
+        )
+        out = out.reshape(out.shape[0], -1, q_length, v.shape[-1])  # undoes the packing
+        return out.transpose(1, 2).contiguous()
+
+
+def lean_forward(backend: Any, sequence: type) -> LeanLlama | None:
+    """A `LeanLlama` for the `TorchBackend` `backend` when it reproduces the backend's model
+    exactly, else None: supported, and its rows equal the transformers forward's bit for bit
+    on both of the backend's paths, one KV (a prefill, one token, three more) and a ragged
+    batch of two `sequence`s."""
+    if supports(backend._model) is not None:
+        return None
+    lean = LeanLlama(backend._model)
+    torch, model = backend._torch, backend._model
+    ids = [(7 * i + 3) % backend.vocab_size for i in range(12)]
+    try:
+        with torch.inference_mode():
+            ours, theirs = backend._new_cache(), backend._new_cache()
+            for chunk in (ids[:5], ids[5:6], ids[6:9]):
+                x = torch.tensor([chunk], dtype=torch.long, device=backend.device)
+                mine = lean.solo_logits(x, ours)
+                ref = model(input_ids=x, use_cache=True, **{backend._cache_kwarg: theirs})
+                if not torch.equal(mine, ref.logits):
+                    return None
+        rows = []
+        for use in (lean, None):
+            backend._lean = use
+            a, b = sequence(backend), sequence(backend)  # (context_length unchecked)
+            backend._batch_rows([a, b], [ids[:5], ids[:2]], ())
+            rows.append(backend._batch_rows([a, b], [ids[5:9], ids[2:3]], ())[0])
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+        return None
+    finally:
+        backend._lean = None
+    same = all((x == y).all() for x, y in zip(rows[0], rows[1], strict=True))
+    return lean if same else None
