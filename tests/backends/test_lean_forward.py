@@ -99,6 +99,24 @@ def test_a_lean_forward_that_disagrees_is_not_used(checkpoint, monkeypatch) -> N
     assert np.array_equal(backend.evaluate(PROMPT[:5]), plain.evaluate(PROMPT[:5]))
 
 
+def test_the_load_check_covers_one_query_batches(checkpoint, monkeypatch) -> None:
+    """transformers before 5.2x had no `pack_gqa`: a forward that fails only where one query
+    per sequence meets a mask and grouped heads must fail the check, not a later round."""
+    real = llama_forward.LeanLlama._attend
+
+    def one_query_fails(self, q, k, v, mask):
+        if q.shape[2] == 1 and mask is not None:
+            raise AttributeError("no pack_gqa here")
+        return real(self, q, k, v, mask)
+
+    monkeypatch.setattr(llama_forward.LeanLlama, "_attend", one_query_fails)
+    backend = build_backend("torch", checkpoint("llama"))
+    assert backend.forward_kind == "transformers"
+    seqs = [backend.sequence() for _ in range(2)]
+    backend.evaluate_batch([(seqs[0], PROMPT[:3]), (seqs[1], PROMPT[:2])])
+    backend.evaluate_batch([(seqs[0], PROMPT[3:4]), (seqs[1], PROMPT[2:3])])  # runs
+
+
 def _model(name="LlamaForCausalLM", **config):
     base = dict(
         attention_bias=False,

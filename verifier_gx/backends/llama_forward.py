@@ -21,6 +21,7 @@ with the length, another activation or attention implementation) is refused by `
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -58,6 +59,9 @@ class LeanLlama:
         self._F = torch.nn.functional
         self._sdpa = sdpa_attention
         self._causal_mask = create_causal_mask
+        # transformers 5.2x renamed `past_key_values` to `cache` here too
+        params = inspect.signature(create_causal_mask).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         base = model.model
         self.config = config = model.config
         self.embed = base.embed_tokens.weight
@@ -116,8 +120,8 @@ class LeanLlama:
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=None,
-            cache=cache,
             position_ids=position_ids,
+            **{self._cache_kwarg: cache},
         )
         return self._layers(hidden, position_ids, mask, cache)
 
@@ -153,11 +157,12 @@ class LeanLlama:
         sdpa = self._sdpa
         groups, q_length = self.groups, q.shape[2]
         extra = {}
+        pack = getattr(sdpa, "pack_gqa", None)  # (transformers before 5.2x: none)
         if groups > 1:
             if sdpa.use_gqa_in_sdpa(mask, k, v):
                 extra["enable_gqa"] = True
-            elif q_length == 1:  # one query: a key/value head's query group rides the length axis
-                q, mask = sdpa.pack_gqa(q, groups), sdpa.pack_gqa(mask, groups)
+            elif q_length == 1 and pack is not None:  # a key/value head's queries ride the length
+                q, mask = pack(q, groups), pack(mask, groups)
             else:
                 k, v = sdpa.repeat_kv(k, groups), sdpa.repeat_kv(v, groups)
         is_causal = q_length > 1 and mask is None
@@ -173,14 +178,15 @@ class LeanLlama:
 def lean_forward(backend: Any, sequence: type) -> LeanLlama | None:
     """A `LeanLlama` for the `TorchBackend` `backend` when it reproduces the backend's model
     exactly, else None: supported, and its rows equal the transformers forward's bit for bit
-    on both of the backend's paths, one KV (a prefill, one token, three more) and a ragged
-    batch of two `sequence`s."""
+    on both of the backend's paths, one KV (a prefill, one token, three more) and two
+    `sequence`s in a batch (ragged prefills, ragged chunks, one query each): every branch
+    transformers' attention takes for these calls."""
     if supports(backend._model) is not None:
         return None
-    lean = LeanLlama(backend._model)
     torch, model = backend._torch, backend._model
     ids = [(7 * i + 3) % backend.vocab_size for i in range(12)]
-    try:
+    try:  # another transformers may lack a helper or an attribute read here: not ours then
+        lean = LeanLlama(model)
         with torch.inference_mode():
             ours, theirs = backend._new_cache(), backend._new_cache()
             for chunk in (ids[:5], ids[5:6], ids[6:9]):
@@ -193,11 +199,14 @@ def lean_forward(backend: Any, sequence: type) -> LeanLlama | None:
         for use in (lean, None):
             backend._lean = use
             a, b = sequence(backend), sequence(backend)  # (context_length unchecked)
-            backend._batch_rows([a, b], [ids[:5], ids[:2]], ())
-            rows.append(backend._batch_rows([a, b], [ids[5:9], ids[2:3]], ())[0])
-    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+            steps = ([ids[:5], ids[:2]], [ids[5:9], ids[2:3]], [ids[9:10], ids[3:4]])
+            rows.append([backend._batch_rows([a, b], step, ())[0] for step in steps])
+    except (ImportError, TypeError, ValueError, RuntimeError, AttributeError, IndexError):
         return None
     finally:
         backend._lean = None
-    same = all((x == y).all() for x, y in zip(rows[0], rows[1], strict=True))
+    pairs = [
+        (x, y) for mine, ref in zip(*rows, strict=True) for x, y in zip(mine, ref, strict=True)
+    ]
+    same = all(x.shape == y.shape and (x == y).all() for x, y in pairs)
     return lean if same else None
