@@ -81,9 +81,11 @@ def cluster_lanes(
             proposer.start()
             stack.callback(proposer.stop)
             name = f"cluster@{delay:g}ms"
-            lanes[name] = _lane(stream_generate, proposer_addr, params, draft_len)
+            daemons = {"proposer": proposer, "verifier": verifier}
+            lanes[name] = _lane(stream_generate, proposer_addr, params, draft_len, daemons)
             if draft_range is not None:
-                lanes[f"{name}-adaptive"] = _lane(stream_generate, proposer_addr, params, 0)
+                adaptive = _lane(stream_generate, proposer_addr, params, 0, daemons)
+                lanes[f"{name}-adaptive"] = adaptive
         yield lanes
 
 
@@ -108,14 +110,24 @@ def with_target_device(text: str, device: str) -> str:
     return head.replace(line, f'{line}device = "{device}"\n', 1) + sep + rest
 
 
-def _lane(stream_generate, address: str, params: SamplingParams, draft_len: int) -> LaneFn:
-    """Sessions that ask for `draft_len` (0: the lane's width policy decides)."""
+def _lane(
+    stream_generate, address: str, params: SamplingParams, draft_len: int, daemons: dict
+) -> LaneFn:
+    """Sessions that ask for `draft_len` (0: the lane's width policy decides); each run also
+    records the CPU seconds each of `daemons` ({role: Daemon}) spent during it."""
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
         p = dataclasses.replace(params, max_tokens=max_tokens)
+        before = {role: d.cpu_s() for role, d in daemons.items()}
         start = time.perf_counter()
         r = stream_generate(address, prompt, p, draft_len=draft_len)
         wall = time.perf_counter() - start
+        after = {role: d.cpu_s() for role, d in daemons.items()}
+        cpu = {
+            role: after[role] - before[role]
+            for role in daemons
+            if before[role] is not None and after[role] is not None
+        }
         s = r["stats"]
         return Sample(
             "cluster",
@@ -127,6 +139,7 @@ def _lane(stream_generate, address: str, params: SamplingParams, draft_len: int)
             s["accepted"],
             s["rounds"],
             s["split_s"],
+            cpu,
         )
 
     return run

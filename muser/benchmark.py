@@ -36,6 +36,9 @@ class Sample:
     accepted: int = 0
     rounds: int = 0
     split_s: dict[str, float] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds the run cost, per process: the bench's own for our in-process lanes
+    ("lane"), each daemon's for the cluster ("proposer", "verifier"); empty where unmeasured."""
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
@@ -60,6 +63,7 @@ def _ours(
     def run(prompt: list[int], max_tokens: int) -> Sample:
         p = replace(params, max_tokens=max_tokens)
         target.reset()
+        cpu = time.process_time()  # this process, every thread: the lane runs alone in it
         if kind == "plain":
             r = run_plain(target, prompt, p)
         else:
@@ -79,6 +83,7 @@ def _ours(
             s.accepted,
             s.rounds,
             {"draft": s.draft_s, "verify": s.verify_s},
+            {"lane": time.process_time() - cpu},
         )
 
     return run
@@ -299,6 +304,15 @@ def _overhead_ms(samples: list[Sample]) -> float | None:
     return statistics.median(per_run) if per_run else None
 
 
+def _cpu_ms(samples: list[Sample], rounds: int) -> dict[str, float]:
+    """CPU ms per round of each process measured in every run of the lane (summed over the
+    runs, divided by their rounds); {} when a run lacks one or there are no rounds."""
+    roles = set.intersection(*(set(s.cpu_s) for s in samples)) if samples else set()
+    if not rounds:
+        return {}
+    return {r: 1e3 * sum(s.cpu_s[r] for s in samples) / rounds for r in sorted(roles)}
+
+
 def summarise(samples: list[Sample]) -> dict[str, dict]:
     """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio;
     the verifier-only ceiling, the ideal (measured compute only) and the speedup over plain
@@ -335,10 +349,13 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
         }
         out[lane]["predicted_tokens_per_s"] = _predicted(out[lane], drafted, rounds)
         out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
+        out[lane]["cpu_ms_per_round"] = _cpu_ms(all_s, rounds)
     plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
     for row in out.values():
         predicted = row["predicted_tokens_per_s"]
-        row["predicted_speedup"] = predicted / plain_compute if predicted and plain_compute else None
+        row["predicted_speedup"] = (
+            predicted / plain_compute if predicted and plain_compute else None
+        )
     if "plain" in out:
         base = out["plain"]["tokens_per_s"]
         for row in out.values():
@@ -399,4 +416,14 @@ def format_table(summary: dict) -> str:
         lines.append("round split (seconds summed over all runs):")
         for lane, split in splits:
             lines.append(f"  {lane:<18} " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    cpus = [
+        (lane, r["cpu_ms_per_round"]) for lane, r in summary.items() if r.get("cpu_ms_per_round")
+    ]
+    if cpus:
+        lines.append("CPU per round, ms (per process; the cluster's daemons, our lanes' own):")
+        for lane, cpu in cpus:
+            total = f"  total {sum(cpu.values()):.2f}" if len(cpu) > 1 else ""
+            lines.append(
+                f"  {lane:<18} " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + total
+            )
     return "\n".join(lines)

@@ -21,6 +21,18 @@ class DaemonError(MuserError):
     """A daemon exited or did not come up in time; the message holds its log tail."""
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` has used so far, all its threads, from Linux's
+    /proc/<pid>/stat (clock ticks: 10 ms steps on this machine). None where there is no /proc
+    (macOS) or no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Daemon:
     def __init__(self, role: str, config: Path, log_dir: Path):
         self.role, self.config = role, Path(config)
@@ -63,6 +75,10 @@ class Daemon:
             time.sleep(0.05)
         self.kill()
         raise DaemonError(f"{self.role} did not start in {timeout:.0f}s:\n{self.log_tail()}")
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds this daemon has used so far (`cpu_seconds`); None when not running."""
+        return cpu_seconds(self.proc.pid) if self.alive() else None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

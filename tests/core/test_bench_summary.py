@@ -173,3 +173,69 @@ def test_bench_prints_and_records_the_skipped_vllm_peer(tmp_path):
     assert data["meta"]["notes"]["vllm-speculative"] == note
     assert "vllm-speculative" not in data["summary"]
     assert {"plain", "local", "hf-assisted"} <= data["summary"].keys()
+
+
+def test_cpu_per_round_is_each_process_cpu_over_the_lane_rounds():
+    """Summed over a lane's runs, divided by its rounds; a process one run did not measure
+    (no /proc) is left out rather than counted as zero."""
+    samples = [
+        sample("local", 0, 10, 0.1, rounds=4, cpu_s={"lane": 0.02}),
+        sample("local", 1, 10, 0.1, rounds=6, cpu_s={"lane": 0.03}),
+        sample("cluster@0ms", 0, 10, 0.2, rounds=5, cpu_s={"proposer": 0.04, "verifier": 0.03}),
+        sample("cluster@0ms", 1, 10, 0.2, rounds=5, cpu_s={"proposer": 0.06}),
+        sample("plain", 0, 10, 0.1),
+    ]
+    out = summarise(samples)
+    assert out["local"]["cpu_ms_per_round"] == pytest.approx({"lane": 5.0})
+    assert out["cluster@0ms"]["cpu_ms_per_round"] == pytest.approx({"proposer": 10.0})
+    assert out["plain"]["cpu_ms_per_round"] == {}
+    lines = format_table(out).splitlines()
+    at = lines.index("CPU per round, ms (per process; the cluster's daemons, our lanes' own):")
+    assert lines[at + 1].split() == ["local", "lane", "5.00"]
+    assert lines[at + 2].split() == ["cluster@0ms", "proposer", "10.00"]
+    samples[3].cpu_s["verifier"] = 0.05
+    row = format_table(summarise(samples)).splitlines()[-1].split()
+    assert row == ["cluster@0ms", "proposer", "10.00", "verifier", "8.00", "total", "18.00"]
+
+
+def test_a_cluster_run_records_what_each_daemon_spent_during_it():
+    from muser.bench_cluster import _lane
+    from muser.sampling import SamplingParams
+
+    class FakeDaemon:
+        def __init__(self, readings):
+            self.readings = iter(readings)
+
+        def cpu_s(self):
+            return next(self.readings)
+
+    stats = {"drafted": 4, "accepted": 2, "rounds": 2, "split_s": {}}
+    run = _lane(
+        lambda *a, **k: {"tokens": [1, 2, 3], "stats": stats},
+        "127.0.0.1:1",
+        SamplingParams(),
+        4,
+        {"proposer": FakeDaemon([1.0, 1.25]), "verifier": FakeDaemon([None, None])},
+    )
+    got = run([5, 6], 3)
+    assert got.cpu_s == {"proposer": 0.25}  # the verifier's CPU could not be read: left out
+    assert got.tokens == [1, 2, 3] and got.rounds == 2
+
+
+def test_cpu_seconds_reads_a_live_process_and_none_for_a_gone_one():
+    import os
+    import time
+
+    from muser.procs import cpu_seconds
+
+    if not Path("/proc/self/stat").exists():  # macOS: nothing to read, and it says so
+        assert cpu_seconds(os.getpid()) is None
+        return
+    first = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # burn 50 ms of CPU
+        pass
+    assert first is not None and cpu_seconds(os.getpid()) >= first + 0.03
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert cpu_seconds(gone.pid) is None
