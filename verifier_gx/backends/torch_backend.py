@@ -18,11 +18,11 @@ check keeps the one-KV path (`can_batch` False).
 
 The forward: where `llama_forward.LeanLlama` reproduces the model (Llama checkpoints under
 sdpa), the backend runs it instead of the transformers module tree, on the same weights, and
-only after `llama_forward.lean_forward` found its rows bit-equal to the transformers forward's on this
-very model, on both paths (one KV, ragged batch). The rows are the same; the Python around
-them is about a third less per forward for the project's small models. `lean=False` keeps
-the transformers forward; `forward_kind` says which one runs. Captured hidden rows always
-come from the transformers forward (its hooks).
+only after `llama_forward.lean_forward` found its rows bit-equal to the transformers
+forward's on this very model, on both paths (one KV, ragged batch). The rows are the same; a
+forward of the project's small models costs a third less. `lean=False` keeps the
+transformers forward; `forward_kind` says which one runs. Captured hidden rows always come
+from the transformers forward (its hooks).
 
 Overrides take effect in the model itself: `rope_theta` is written into the config the
 model is built from (the rotary tables are computed from it at init), and `context_length`
@@ -267,7 +267,7 @@ class TorchBackend:
 
     @property
     def forward_kind(self) -> str:
-        """ "lean" or "transformers": which forward computes the rows (module note)."""
+        """Which forward computes the rows: "lean" or "transformers" (module note)."""
         return "lean" if self._lean is not None else "transformers"
 
     def _new_cache(self):
