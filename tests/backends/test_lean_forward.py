@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from muser.testing import ARCHES
 from tests.backends.backend_helpers import PROMPT, build_backend
 from verifier_gx.backends import llama_forward
 
@@ -16,12 +17,16 @@ def _pair(path, **opts):
     return build_backend("torch", path, **opts), build_backend("torch", path, lean=False, **opts)
 
 
-@pytest.mark.parametrize("rope_theta", [None, 500.0])
-def test_one_kv_rows_are_the_transformers_rows_bit_for_bit(checkpoint, rope_theta) -> None:
-    """The tiny llama has 4 query heads over 2 key/value heads: a prefill (attention's own
-    causal flag), single tokens (one query) and chunks after a cache (a materialised mask)
-    each take another branch of transformers' sdpa attention."""
-    lean, plain = _pair(checkpoint("llama"), rope_theta=rope_theta)
+@pytest.mark.parametrize(
+    ("arch", "rope_theta"),
+    [("llama", None), ("llama", 500.0), ("qwen2", None), ("qwen3", None), ("mistral", None)],
+)
+def test_one_kv_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch, rope_theta) -> None:
+    """Every tiny checkpoint has 4 query heads over 2 key/value heads: a prefill (attention's
+    own causal flag), single tokens (one query) and chunks after a cache (a materialised mask)
+    each take another branch of transformers' sdpa attention. qwen2 has biased q/k/v
+    projections, qwen3 its per-head q/k norms."""
+    lean, plain = _pair(checkpoint(arch), rope_theta=rope_theta)
     assert (lean.forward_kind, plain.forward_kind) == ("lean", "transformers")
     chunks = [PROMPT[:7], PROMPT[7:8], PROMPT[8:11], PROMPT[11:12], PROMPT[12:]]
     for chunk in chunks:
@@ -31,8 +36,10 @@ def test_one_kv_rows_are_the_transformers_rows_bit_for_bit(checkpoint, rope_thet
     assert np.array_equal(lean.evaluate(PROMPT[3:9]), plain.evaluate(PROMPT[3:9]))
 
 
-def test_batched_rows_are_the_transformers_rows_bit_for_bit(checkpoint) -> None:
-    lean, plain = _pair(checkpoint("llama"))
+@pytest.mark.parametrize("arch", ARCHES)
+def test_batched_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch) -> None:
+    lean, plain = _pair(checkpoint(arch))
+    assert lean.forward_kind == "lean"
     ours = [lean.sequence() for _ in range(3)]
     theirs = [plain.sequence() for _ in range(3)]
     steps = [
@@ -75,11 +82,11 @@ def test_the_windowed_draft_reports_its_inner_forward(checkpoint) -> None:
     )
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_other_architectures_keep_the_transformers_forward(checkpoint, arch) -> None:
-    backend = build_backend("torch", checkpoint(arch))
-    assert backend.forward_kind == "transformers"
-    assert "architecture" in llama_forward.supports(backend._model)
+def test_a_sliding_window_keeps_the_transformers_forward(checkpoint) -> None:
+    lean, plain = _pair(checkpoint("mistral", sliding_window=4))
+    assert lean.forward_kind == "transformers"
+    assert llama_forward.supports(lean._model) == "sliding-window attention"
+    assert np.array_equal(lean.evaluate(PROMPT[:9]), plain.evaluate(PROMPT[:9]))
 
 
 def test_a_lean_forward_that_disagrees_is_not_used(checkpoint, monkeypatch) -> None:
@@ -117,6 +124,9 @@ def test_the_load_check_covers_one_query_batches(checkpoint, monkeypatch) -> Non
     backend.evaluate_batch([(seqs[0], PROMPT[3:4]), (seqs[1], PROMPT[2:3])])  # runs
 
 
+LEAN_ARCHES = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+
+
 def _model(name="LlamaForCausalLM", **config):
     base = dict(
         attention_bias=False,
@@ -135,12 +145,16 @@ def _model(name="LlamaForCausalLM", **config):
     [
         (_model(), None),
         (_model(rope_parameters={"rope_type": "llama3"}), None),
+        (_model("Qwen3ForCausalLM", layer_types=["full_attention"] * 2), None),
+        (_model(attention_bias=True), None),  # biased q/k/v/o: the bias goes to F.linear
+        (_model("MistralForCausalLM", sliding_window=None), None),
         (
-            _model("MistralForCausalLM"),
-            "architecture MistralForCausalLM (lean forward: LlamaForCausalLM)",
+            _model("GPT2LMHeadModel"),
+            "architecture GPT2LMHeadModel (lean forward: " + LEAN_ARCHES + ")",
         ),
-        (_model(attention_bias=True), "biased projections"),
-        (_model(mlp_bias=True), "biased projections"),
+        (_model(mlp_bias=True), "biased MLP projections"),
+        (_model("MistralForCausalLM", sliding_window=4096), "sliding-window attention"),
+        (_model("Qwen2ForCausalLM", layer_types=["sliding_attention"]), "sliding-window attention"),
         (_model(hidden_act="gelu"), "activation 'gelu'"),
         (_model(_attn_implementation="eager"), "attention implementation 'eager'"),
         (_model(rope_parameters={"rope_type": "dynamic"}), "rope type 'dynamic'"),

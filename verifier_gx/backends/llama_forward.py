@@ -1,6 +1,6 @@
-"""A lean forward for Llama-architecture checkpoints: the same torch operations as
-transformers' `LlamaForCausalLM`, in the same order, on the same loaded weights, without the
-per-module Python around them.
+"""A lean forward for Llama-family checkpoints (Llama, Mistral without a sliding window,
+Qwen2, Qwen3): the same torch operations as transformers' modules for them, in the same order,
+on the same loaded weights, without the per-module Python around them.
 
 For the project's small models most of a transformers forward is Python: module calls,
 decorators, output capture, mask and cache plumbing, a few hundred microseconds per decoder
@@ -15,16 +15,24 @@ Two entry points, one per `TorchBackend` path: `logits` for the ragged batch (po
 additive float mask (B, 1, W, T) and a `_BatchKv` whose `update(k, v, layer)` stores the new
 keys/values and returns the full ones) and `solo_logits` for one sequence on a transformers
 `DynamicCache`. Loading stays transformers' own (`from_pretrained`); anything this file does
-not model exactly (another architecture, biases, a rope type whose inverse frequencies move
-with the length, another activation or attention implementation) is refused by `supports`.
+not model exactly (another architecture, a biased MLP, a sliding window, a rope type whose
+inverse frequencies move with the length, another activation or attention implementation) is
+refused by `supports`.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+"""One decoder layer shape: RMSNorm, attention (q/k/v/o projections, biased or not, Qwen3's
+per-head q/k norms), RMSNorm, a SiLU-gated MLP; rotary positions; full causal attention."""
 
 
 def supports(model: Any) -> str | None:
@@ -33,8 +41,8 @@ def supports(model: Any) -> str | None:
     name = type(model).__name__
     if name not in ARCHITECTURES:
         return f"architecture {name} (lean forward: {', '.join(ARCHITECTURES)})"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "biased projections"
+    if getattr(config, "mlp_bias", False):
+        return "biased MLP projections"
     if config.hidden_act != "silu":
         return f"activation {config.hidden_act!r}"
     if getattr(config, "_attn_implementation", None) != "sdpa":
@@ -44,6 +52,11 @@ def supports(model: Any) -> str | None:
         return f"rope type {rope.get('rope_type')!r}"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
+    layer_types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in layer_types or (
+        name == "MistralForCausalLM" and getattr(config, "sliding_window", None) is not None
+    ):
+        return "sliding-window attention"
     return None
 
 
@@ -66,22 +79,7 @@ class LeanLlama:
         self.config = config = model.config
         self.embed = base.embed_tokens.weight
         self.padding_idx = base.embed_tokens.padding_idx
-        self.layers = [
-            (
-                layer.input_layernorm.weight,
-                layer.input_layernorm.variance_epsilon,
-                layer.self_attn.q_proj.weight,
-                layer.self_attn.k_proj.weight,
-                layer.self_attn.v_proj.weight,
-                layer.self_attn.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.variance_epsilon,
-                layer.mlp.gate_proj.weight,
-                layer.mlp.up_proj.weight,
-                layer.mlp.down_proj.weight,
-            )
-            for layer in base.layers[: config.num_hidden_layers]
-        ]
+        self.layers = [_layer(layer) for layer in base.layers[: config.num_hidden_layers]]
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.lm_head = model.lm_head.weight
         self.head_dim = base.layers[0].self_attn.head_dim
@@ -135,20 +133,24 @@ class LeanLlama:
         sin = (emb.sin() * self.rope_scaling).to(hidden.dtype).unsqueeze(1)
         batch, width = hidden.shape[:2]
         shape = (batch, width, -1, self.head_dim)
-        for i, (ln1, eps1, wq, wk, wv, wo, ln2, eps2, wg, wu, wd) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
             residual = hidden
-            x = self._rms(hidden, ln1, eps1)
-            q = F.linear(x, wq).view(shape).transpose(1, 2)
-            k = F.linear(x, wk).view(shape).transpose(1, 2)
-            v = F.linear(x, wv).view(shape).transpose(1, 2)
+            x = self._rms(hidden, *layer.ln1)
+            q = F.linear(x, *layer.q).view(shape)
+            k = F.linear(x, *layer.k).view(shape)
+            if layer.q_norm is not None:  # Qwen3: an RMSNorm over each head, before rotary
+                q, k = self._rms(q, *layer.q_norm), self._rms(k, *layer.k_norm)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = F.linear(x, *layer.v).view(shape).transpose(1, 2)
             q = (q * cos) + (self._rotate_half(q) * sin)
             k = (k * cos) + (self._rotate_half(k) * sin)
             k, v = cache.update(k, v, i)
             attn = self._attend(q, k, v, mask)
-            hidden = residual + F.linear(attn.reshape(batch, width, -1).contiguous(), wo)
+            hidden = residual + F.linear(attn.reshape(batch, width, -1).contiguous(), *layer.o)
             residual = hidden
-            x = self._rms(hidden, ln2, eps2)
-            hidden = residual + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+            x = self._rms(hidden, *layer.ln2)
+            gated = F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
+            hidden = residual + F.linear(gated, layer.down)
         hidden = self._rms(hidden, *self.norm)
         return F.linear(hidden, self.lm_head)
 
@@ -173,6 +175,44 @@ class LeanLlama:
         )
         out = out.reshape(out.shape[0], -1, q_length, v.shape[-1])  # undoes the packing
         return out.transpose(1, 2).contiguous()
+
+
+class _Layer(NamedTuple):
+    ln1: tuple
+    q: tuple  # (weight, bias or None): F.linear's arguments, as nn.Linear passes them
+    k: tuple
+    v: tuple
+    o: tuple
+    q_norm: tuple | None  # (weight, eps) of Qwen3's per-head norms; None elsewhere
+    k_norm: tuple | None
+    ln2: tuple
+    gate: Any
+    up: Any
+    down: Any
+
+
+def _layer(layer: Any) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def linear(m):
+        return (m.weight, m.bias)
+
+    def norm(m):
+        return None if m is None else (m.weight, m.variance_epsilon)
+
+    return _Layer(
+        norm(layer.input_layernorm),
+        linear(attn.q_proj),
+        linear(attn.k_proj),
+        linear(attn.v_proj),
+        linear(attn.o_proj),
+        norm(getattr(attn, "q_norm", None)),
+        norm(getattr(attn, "k_norm", None)),
+        norm(layer.post_attention_layernorm),
+        mlp.gate_proj.weight,
+        mlp.up_proj.weight,
+        mlp.down_proj.weight,
+    )
 
 
 def lean_forward(backend: Any, sequence: type) -> LeanLlama | None:
