@@ -55,6 +55,14 @@ def test_batched_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch) ->
             assert x.shape == y.shape and np.array_equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_weights_are_bit_equal_too(checkpoint, dtype) -> None:
+    lean, plain = _pair(checkpoint("qwen3"), dtype=dtype)
+    assert lean.forward_kind == "lean"
+    for chunk in (PROMPT[:6], PROMPT[6:7], PROMPT[7:10]):
+        assert np.array_equal(lean.evaluate(chunk), plain.evaluate(chunk))
+
+
 def test_captured_rows_come_from_the_transformers_forward(checkpoint) -> None:
     lean, plain = _pair(checkpoint("llama"))
     rows, hidden = lean.evaluate_capture(PROMPT[:6], [0, 1])
