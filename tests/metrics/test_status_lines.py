@@ -28,3 +28,11 @@ def test_the_proposer_shows_its_draft_batches_and_whether_they_are_on():
     assert "draft batches off (lane.draft_batch): sizes 1×9" in summary(off)
     idle = summary({"drafting": {"batch": True, "batch_sizes": {}}, "batching": {"batches": 0}})
     assert not any("batches" in line for line in idle)
+
+
+def test_each_daemon_names_the_torch_forward_it_runs():
+    proposer = {"draft_device": "torch:cpu", "draft_forward": "lean"}
+    verifier = {"target": {"device": "torch:cpu", "forward": "transformers"}}
+    assert "draft on torch:cpu, lean forward" in summary(proposer)
+    assert "target on torch:cpu, transformers forward" in summary(verifier)
+    assert "draft on mlx:cpu" in summary({"draft_device": "mlx:cpu", "draft_forward": None})
