@@ -1,5 +1,9 @@
 """The lean Llama forward (verifier_gx/backends/llama_forward.py): bit-equal rows to the
-transformers forward on both torch paths, used only where that holds, off on request."""
+transformers forward on both torch paths, used only where that holds, off on request.
+
+The two bit-equality tests also run in the vLLM environment (`make test-vllm`, marker
+`vllm`), whose transformers is older: its differences (another mask keyword, no `pack_gqa`)
+are where the lean forward once went wrong."""
 
 from __future__ import annotations
 
@@ -17,9 +21,21 @@ def _pair(path, **opts):
     return build_backend("torch", path, **opts), build_backend("torch", path, lean=False, **opts)
 
 
+def _also_in_vllm_env(*cases) -> list:
+    """Each case, and each again marked `vllm` (run by `make test-vllm` in .venv-vllm)."""
+    cases = [c if isinstance(c, tuple) else (c,) for c in cases]
+    ids = ["-".join(map(str, c)) for c in cases]
+    return [pytest.param(*c, id=i) for c, i in zip(cases, ids, strict=True)] + [
+        pytest.param(*c, marks=pytest.mark.vllm, id=f"{i}-vllm-env")
+        for c, i in zip(cases, ids, strict=True)
+    ]
+
+
 @pytest.mark.parametrize(
     ("arch", "rope_theta"),
-    [("llama", None), ("llama", 500.0), ("qwen2", None), ("qwen3", None), ("mistral", None)],
+    _also_in_vllm_env(
+        ("llama", None), ("llama", 500.0), ("qwen2", None), ("qwen3", None), ("mistral", None)
+    ),
 )
 def test_one_kv_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch, rope_theta) -> None:
     """Every tiny checkpoint has 4 query heads over 2 key/value heads: a prefill (attention's
@@ -36,7 +52,7 @@ def test_one_kv_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch, rop
     assert np.array_equal(lean.evaluate(PROMPT[3:9]), plain.evaluate(PROMPT[3:9]))
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", _also_in_vllm_env(*ARCHES))
 def test_batched_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch) -> None:
     lean, plain = _pair(checkpoint(arch))
     assert lean.forward_kind == "lean"
