@@ -142,4 +142,5 @@ def _lane(
             cpu,
         )
 
+    run.daemons = daemons  # what the sessions suite reads around a wave of concurrent runs
     return run

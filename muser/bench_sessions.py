@@ -23,17 +23,22 @@ from muser.sampling import SamplingParams
 
 def run_concurrent(
     lane: LaneFn, prompts: list[list[int]], max_tokens: int
-) -> tuple[list[Sample], float]:
-    """Start one generation per prompt at once; returns their samples and the wall."""
+) -> tuple[list[Sample], float, dict[str, float]]:
+    """Start one generation per prompt at once; returns their samples, the wall and the CPU
+    seconds each of the lane's daemons (`lane.daemons`, {role: Daemon}) spent meanwhile."""
+    daemons = getattr(lane, "daemons", {})
+    before = {role: d.cpu_s() for role, d in daemons.items()}
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         start = time.perf_counter()
         futures = [pool.submit(lane, p, max_tokens) for p in prompts]
         samples = [f.result() for f in futures]
         wall = time.perf_counter() - start
+    after = {role: d.cpu_s() for role, d in daemons.items()}
+    cpu = {r: after[r] - before[r] for r in daemons if None not in (before[r], after[r])}
     for i, s in enumerate(samples):
         s.prompt = i
-        s.cpu_s = {}  # each run's window held the others' CPU too: not one run's cost
-    return samples, wall
+        s.cpu_s = {}  # each run's window held the others' CPU too: the wave's is kept instead
+    return samples, wall, cpu
 
 
 def run_sessions_bench(
@@ -59,10 +64,11 @@ def run_sessions_bench(
             for repeat in range(repeats):
                 order = sessions if repeat % 2 == 0 else list(reversed(sessions))
                 for n in order:
-                    got, wall = run_concurrent(lane, prompts[:n], max_tokens)
+                    got, wall, cpu = run_concurrent(lane, prompts[:n], max_tokens)
+                    wave = {"run_wall": wall, **{f"run_cpu_{r}": v for r, v in cpu.items()}}
                     for s in got:
                         s.lane, s.repeat = f"sessions={n}", repeat
-                        s.split_s = {**s.split_s, "run_wall": wall}
+                        s.split_s = {**s.split_s, **wave}  # the wave's, on each of its runs
                     samples += got
                     rates[n].append(sum(len(s.tokens) for s in got) / wall)
                     bar.update()
@@ -88,6 +94,7 @@ def summarise_sessions(
             "per_session_tokens_per_s": statistics.median(rs) / n,
             "acceptance": sum(s.accepted for s in mine) / drafted if drafted else None,
         }
+        row["cpu_ms_per_session_round"] = _cpu_per_round(mine)
         if oracle is not None:
             same = [s.tokens == oracle[s.prompt] for s in mine]
             row["greedy_match_plain"] = f"{sum(same)}/{len(same)}"
@@ -95,17 +102,34 @@ def summarise_sessions(
     return out
 
 
+def _cpu_per_round(samples: list[Sample]) -> dict[str, float]:
+    """Each daemon's CPU ms per session-round: its CPU over every wave (read once per wave,
+    carried by each of the wave's runs as run_cpu_<role>) over all the waves' rounds; {}
+    unless every wave has the daemon's reading."""
+    waves: dict[int, list[Sample]] = {}
+    for s in samples:
+        waves.setdefault(s.repeat, []).append(s)
+    rounds = sum(s.rounds for s in samples)
+    keys = [{k for k in ss[0].split_s if k.startswith("run_cpu_")} for ss in waves.values()]
+    roles = sorted(set.intersection(*keys)) if keys else []
+    if not rounds:
+        return {}
+    return {k[8:]: 1e3 * sum(ss[0].split_s[k] for ss in waves.values()) / rounds for k in roles}
+
+
 def format_sessions(summary: dict[str, dict]) -> str:
     base = next(k for k in next(iter(summary.values())) if k.startswith("ratio_to_"))
     lines = [f"{'sessions':>8} {'tok/s':>8} {'spread':>13} {'×' + base[9:]:>6} {'tok/s/sess':>10} "
-             f"{'accept':>7} {'=plain':>7}"]  # fmt: skip
+             f"{'accept':>7} {'=plain':>7}  CPU ms per session-round"]  # fmt: skip
     for r in summary.values():
         lo, hi = r["spread"]
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
+        cpu = r.get("cpu_ms_per_session_round") or {}
+        cpu_s = "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) or "-"
         lines.append(
             f"{r['sessions']:>8} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
             f"{r[base]:>6.2f} {r['per_session_tokens_per_s']:>10.1f} {acc:>7} "
-            f"{r.get('greedy_match_plain', '-'):>7}"
+            f"{r.get('greedy_match_plain', '-'):>7}  {cpu_s}"
         )
     return "\n".join(lines)
 

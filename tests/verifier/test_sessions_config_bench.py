@@ -57,3 +57,44 @@ def test_sessions_suite_refuses_a_bad_session_count(capsys):
     args = parser.parse_args(["bench", "--suite", "sessions", "--sessions", "0,8"])
     assert args.func(args) == 2
     assert "--sessions '0,8': expected counts >= 1" in capsys.readouterr().err
+
+
+def test_cpu_per_session_round_counts_each_wave_once():
+    """A wave's daemon CPU rides on each of its runs; it is summed once per wave and divided
+    by all the rounds of the waves."""
+
+    def run(repeat, prompt, cpu):
+        s = sample(8, prompt, [1, 2], repeat)
+        s.split_s = {"run_wall": 1.0, **cpu}
+        return s
+
+    wave0 = {"run_cpu_proposer": 0.010, "run_cpu_verifier": 0.006}
+    wave1 = {"run_cpu_proposer": 0.014, "run_cpu_verifier": 0.010}
+    samples = [run(0, 0, wave0), run(0, 1, wave0), run(1, 0, wave1), run(1, 1, wave1)]
+    out = summarise_sessions({8: [300.0, 330.0]}, samples, None)
+    cpu = out["sessions=8"]["cpu_ms_per_session_round"]
+    assert cpu == pytest.approx({"proposer": 3.0, "verifier": 2.0})  # 24 ms, 16 ms over 8 rounds
+    assert format_sessions(out).splitlines()[1].endswith("proposer 3.00  verifier 2.00")
+    for s in samples[2:]:  # a wave without the verifier's reading: the verifier is left out
+        s.split_s.pop("run_cpu_verifier")
+    cpu = summarise_sessions({8: [300.0]}, samples, None)["sessions=8"]["cpu_ms_per_session_round"]
+    assert list(cpu) == ["proposer"]
+
+
+def test_a_wave_reads_the_lanes_daemons_around_all_its_runs():
+    from muser.bench_sessions import run_concurrent
+
+    class FakeDaemon:
+        def __init__(self, *readings):
+            self.readings = iter(readings)
+
+        def cpu_s(self):
+            return next(self.readings)
+
+    def lane(prompt, max_tokens):
+        return Sample("cluster", 0, 0, [1] * max_tokens, 0.1, 4, 2, 2, {}, {"proposer": 9.0})
+
+    lane.daemons = {"proposer": FakeDaemon(2.0, 2.5), "verifier": FakeDaemon(None, 1.0)}
+    samples, wall, cpu = run_concurrent(lane, [[1], [2], [3]], 3)
+    assert cpu == {"proposer": 0.5} and wall > 0
+    assert [s.prompt for s in samples] == [0, 1, 2] and all(s.cpu_s == {} for s in samples)
