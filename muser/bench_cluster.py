@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from muser.benchmark import LaneFn, Sample
+from muser.procs import cpu_since
 from muser.sampling import SamplingParams
 
 
@@ -118,16 +119,11 @@ def _lane(
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
         p = dataclasses.replace(params, max_tokens=max_tokens)
-        before = {role: d.cpu_s() for role, d in daemons.items()}
+        spent = cpu_since(daemons)
         start = time.perf_counter()
         r = stream_generate(address, prompt, p, draft_len=draft_len)
         wall = time.perf_counter() - start
-        after = {role: d.cpu_s() for role, d in daemons.items()}
-        cpu = {
-            role: after[role] - before[role]
-            for role in daemons
-            if before[role] is not None and after[role] is not None
-        }
+        cpu = spent()
         s = r["stats"]
         return Sample(
             "cluster",

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from muser.benchmark import LaneFn, Sample
+from muser.procs import cpu_since
 from muser.sampling import SamplingParams
 
 
@@ -26,15 +27,13 @@ def run_concurrent(
 ) -> tuple[list[Sample], float, dict[str, float]]:
     """Start one generation per prompt at once; returns their samples, the wall and the CPU
     seconds each of the lane's daemons (`lane.daemons`, {role: Daemon}) spent meanwhile."""
-    daemons = getattr(lane, "daemons", {})
-    before = {role: d.cpu_s() for role, d in daemons.items()}
+    spent = cpu_since(getattr(lane, "daemons", {}))
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         start = time.perf_counter()
         futures = [pool.submit(lane, p, max_tokens) for p in prompts]
         samples = [f.result() for f in futures]
         wall = time.perf_counter() - start
-    after = {role: d.cpu_s() for role, d in daemons.items()}
-    cpu = {r: after[r] - before[r] for r in daemons if None not in (before[r], after[r])}
+    cpu = spent()
     for i, s in enumerate(samples):
         s.prompt = i
         s.cpu_s = {}  # each run's window held the others' CPU too: the wave's is kept instead

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from muser.errors import MuserError
@@ -31,6 +32,18 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_since(daemons: dict) -> Callable[[], dict[str, float]]:
+    """Read the CPU of each of `daemons` ({role: Daemon}) now; the call returned gives the
+    seconds each has spent since, leaving out any whose CPU could not be read either time."""
+    before = {role: d.cpu_s() for role, d in daemons.items()}
+
+    def spent() -> dict[str, float]:
+        after = {role: d.cpu_s() for role, d in daemons.items()}
+        return {r: after[r] - before[r] for r in daemons if None not in (before[r], after[r])}
+
+    return spent
 
 
 class Daemon:

@@ -410,15 +410,15 @@ class TorchBackend:
         hooks = [self._hook(i, captured) for i in layers]
         try:
             with torch.inference_mode():
-                inputs = (rows.to(self.device), positions.to(self.device))
+                input_ids, position_ids = rows.to(self.device), positions.to(self.device)
                 mask = mask[:, None].to(self.device)
                 if self._lean is not None and not layers:
-                    logits = self._lean.logits(*inputs, mask, cache)
+                    logits = self._lean.logits(input_ids, position_ids, mask, cache)
                 else:
                     logits = self._model(
-                        input_ids=inputs[0],
+                        input_ids=input_ids,
                         attention_mask=mask,
-                        position_ids=inputs[1],
+                        position_ids=position_ids,
                         use_cache=True,
                         **{self._cache_kwarg: cache},
                     ).logits
