@@ -1,6 +1,7 @@
-"""The proposer daemon: client-facing Generate, the draft backend, session recovery.
+"""The proposer daemon: the draft backend, sessions, session recovery (`ProposerCore`).
 
-`create_server(config)` builds the grpc.aio server (service muser.v2.Proposer + health);
+`create_server(config)` builds the grpc.aio server (service muser.v2.Proposer, served by
+`proposer_mac.servicer`, + health);
 on start it replays the journal and resumes every unfinished session, so a client that
 reconnects with its session id and a token offset receives the rest without gaps or repeats.
 """
@@ -24,8 +25,8 @@ from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
 from muser import keys, tls
 from muser.backend import batches
-from muser.errors import MuserError, RefusedError
-from muser.metrics import DaemonView, metrics_route, status_fields
+from muser.errors import RefusedError
+from muser.metrics import metrics_route
 from muser.records import Identity, RoundResult
 from muser.sampling import SamplingParams
 from muser.stats import DaemonStats, LaneStats
@@ -36,7 +37,8 @@ from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
 from proposer_mac.drafting import Drafter
 from proposer_mac.driver import DriverContext, SessionRunner
-from proposer_mac.link import RoundRefused, channel_options
+from proposer_mac.link import channel_options
+from proposer_mac.servicer import ProposerServicer, metrics_view
 from proposer_mac.session import ProposerSession
 
 log = logging.getLogger("muser.proposer")
@@ -344,112 +346,6 @@ async def ask_target_identity(core: ProposerCore, timeout: float = 60.0) -> Iden
             "must share one tokenizer"
         )
     return ident
-
-
-def refusal_reason(exc: MuserError) -> str:
-    """The `reason` label of a Generate refusal: the verifier's when it refused the open."""
-    if isinstance(exc, RoundRefused):
-        return f"verifier_{exc.reason}"
-    return "refused" if isinstance(exc, RefusedError) else "internal"
-
-
-def metrics_view(core: ProposerCore) -> DaemonView:
-    """The proposer's stats as `muser.metrics` exports them: its sessions' rounds summed."""
-    runners = list(core.runners.values())
-    return DaemonView(
-        role="proposer",
-        key_id=core.key_id,
-        lane=LaneStats.total([core.retired, *(r.stats for r in runners)]),
-        daemon=core.stats,
-        sessions=len(runners),
-        open_sessions=sum(1 for r in runners if not r.session.done),
-        wal_dir=core.log.directory,
-        now=core.stats.clock(),
-        drafting=core.context.drafts.stats,
-    )
-
-
-class ProposerServicer(pb_grpc.ProposerServicer):
-    def __init__(self, core: ProposerCore):
-        self.core = core
-
-    async def Generate(self, request: pb.GenerateRequest, context):
-        core = self.core
-        try:
-            if request.session_id:
-                runner = core.runners.get(bytes(request.session_id))
-                if runner is None:
-                    await context.abort(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"unknown session {bytes(request.session_id).hex()} (a proposer "
-                        "keeps the last limits.finished_sessions finished sessions)",
-                    )
-            else:
-                runner = await core.new_session(request)
-        except MuserError as exc:
-            code = getattr(exc, "code", None)
-            if not isinstance(code, grpc.StatusCode):
-                code = (
-                    grpc.StatusCode.INVALID_ARGUMENT
-                    if isinstance(exc, RefusedError)
-                    else grpc.StatusCode.INTERNAL
-                )
-            core.stats.observe_refusal(refusal_reason(exc), code.name)
-            await context.abort(code, str(exc))
-        session = runner.session
-        offset = request.offset
-        if offset > len(session.emitted) and session.done:
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"offset {offset} beyond the {len(session.emitted)} tokens emitted",
-            )
-        sent = core.tokenizer.decode(session.emitted[:offset])  # the text before this stream
-        while True:
-            try:
-                tokens, done = await runner.wait_tokens(offset)
-            except MuserError as exc:
-                await context.abort(getattr(exc, "code", grpc.StatusCode.INTERNAL), str(exc))
-            # an event's text = text(tokens through it) minus text(tokens before it): what a
-            # client reconnecting at any offset also gets; one decode per event
-            whole = core.tokenizer.decode(session.emitted[: offset + len(tokens)])
-            text, sent = whole[len(sent) :], whole
-            event = pb.GenerateEvent(
-                session_id=session.session_id,
-                offset=offset,
-                tokens=tokens,
-                text=text,
-                done=done,
-                prompt_tokens=len(session.prompt),
-            )
-            if done:
-                event.stats_json = json.dumps(runner.stats.to_dict())
-            yield event
-            offset += len(tokens)
-            if done:
-                return
-
-    async def Status(self, request, context):
-        core = self.core
-        body = {
-            "role": "proposer",
-            "key_id": core.key_id,
-            **status_fields(metrics_view(core)),
-            "active": sum(1 for r in core.runners.values() if not r.session.done),
-            # "mlx:gpu", "mlx:cpu", "torch:cpu": where the draft runs, as loaded (never assumed)
-            "draft_device": getattr(core.draft, "device_label", "unknown"),
-            # torch: "lean" or "transformers" (the backend's forward); absent for mlx
-            "draft_forward": getattr(core.draft, "forward_kind", None),
-            # rounds of concurrent sessions drafted together (lane.draft_batch): size -> batches
-            "drafting": {
-                "batch": core.draft_batch,
-                "batch_sizes": core.context.drafts.stats.to_dict(),
-                "waiting": core.context.drafts.waiting,
-            },
-            "verifier": core.config.verifier.address,
-        }
-        return pb.StatusResponse(
-            role="proposer", key_id=core.key_id, sessions=len(core.runners), json=json.dumps(body)
-        )
 
 
 async def create_server(

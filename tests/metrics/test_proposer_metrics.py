@@ -12,7 +12,7 @@ import pytest_asyncio
 from muser.metrics import exposition
 from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2 as pb
-from proposer_mac.daemon import metrics_view
+from proposer_mac.servicer import metrics_view
 from tests.metrics.test_exporter import samples
 from tests.proposer.test_generate_service import start
 from tests.verifier.conftest import PROMPT

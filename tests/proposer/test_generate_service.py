@@ -472,7 +472,7 @@ async def test_each_session_drafts_on_its_own_kv_and_drops_it_at_the_end(key_set
 
 @pytest.mark.asyncio
 async def test_old_finished_sessions_are_forgotten_but_still_counted(key_set, tmp_path):
-    from proposer_mac.daemon import metrics_view
+    from proposer_mac.servicer import metrics_view
 
     c = await start(key_set, tmp_path, finished_sessions=2)
     try:
