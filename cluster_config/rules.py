@@ -181,6 +181,19 @@ def devices_available(config: ClusterConfig, scope: frozenset[str]) -> None:
             raise ConfigError(str(exc)) from exc
 
 
+def cpus_available(config: ClusterConfig, scope: frozenset[str]) -> None:
+    """The CPUs a node's config pins its daemon to are CPUs this machine lets it run on."""
+    from muser.affinity import AffinityError, check
+
+    for role in NODES:
+        cpus = getattr(config, role).cpus
+        if role in scope and cpus is not None:
+            try:
+                check(cpus, f"{role}.cpus")
+            except AffinityError as exc:
+                raise ConfigError(str(exc)) from exc
+
+
 # --- signing keys and enrolment ------------------------------------------------------------
 
 
@@ -275,6 +288,7 @@ RULES: tuple[Rule, ...] = (
     capture_layers_exist,
     draft_dtype_supported,
     devices_available,
+    cpus_available,
     signing_keys,
     enrolment,
     tls_files,

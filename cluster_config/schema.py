@@ -40,6 +40,19 @@ def _check_address(value: str | None) -> str | None:
     return value
 
 
+def _check_cpus(value: list[int] | None) -> list[int] | None:
+    if value is None:
+        return None
+    if not value or len(set(value)) != len(value) or min(value) < 0:
+        raise ValueError(f"expected distinct CPU numbers (0, 1, ...), at least one, got {value!r}")
+    return value
+
+
+CPUS_HELP = (
+    "CPUs the daemon runs on (Linux; every thread pinned at start); default: those the "
+    "machine gives it. `config init` splits a machine's CPUs between the two daemons."
+)
+
 TARGET_BACKENDS = ("torch", "vllm")
 
 
@@ -76,8 +89,10 @@ class VerifierNode(_Strict):
     http: str | None = Field(
         None, description="HOST:PORT of the verifier's HTTP server: GET /metrics (default: none)."
     )
+    cpus: list[int] | None = Field(None, description=CPUS_HELP)
 
     _addr = field_validator("address", "bind", "http")(_check_address)
+    _cpus = field_validator("cpus")(_check_cpus)
     _backend = field_validator("backend", mode="before")(_check_target_backend)
 
     @property
@@ -113,8 +128,10 @@ class ProposerNode(_Strict):
         description="HOST:PORT of the OpenAI-compatible HTTP API and GET /metrics "
         "(default: not served).",
     )
+    cpus: list[int] | None = Field(None, description=CPUS_HELP)
 
     _addr = field_validator("address", "bind", "http")(_check_address)
+    _cpus = field_validator("cpus")(_check_cpus)
 
     @property
     def bind_address(self) -> str:

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from muser.affinity import pinned
 from muser.benchmark import LaneFn, Sample
 from muser.procs import cpu_since
 from muser.sampling import SamplingParams
@@ -30,11 +31,14 @@ def cluster_lanes(
     delays_ms: list[float],
     draft_range: tuple[int, int] | None = None,
     target_device: str = "cpu",
+    pin: bool = True,
 ):
     """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms). With
     `draft_range` the lane may move D in it: `cluster@Xms` sessions still ask for draft_len
     (fixed), and `cluster@Xms-adaptive` sessions ask for none, so the lane's adaptive width
-    chooses (the same proposer serves both). `target_device`: the verifier's `device`."""
+    chooses (the same proposer serves both). `target_device`: the verifier's `device`.
+    `pin`: keep `config init`'s CPUs for each daemon (and run each run's client on the
+    proposer's); False lets the OS place both daemons and the client."""
     from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import free_port, init_cluster
@@ -52,7 +56,10 @@ def cluster_lanes(
                 text.replace(line, f"{line}draft_len_min = {lo}\ndraft_len_max = {hi}\n", 1)
             )
         base.write_text(with_target_device(base.read_text(), target_device))
+        if not pin:
+            base.write_text(unpinned(base.read_text()))
         config = load_config(base)
+        cpus = {"proposer": config.proposer.cpus, "verifier": config.verifier.cpus}
         qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
         verifier = Daemon("verifier", base, Path(tmp))
         verifier.start()
@@ -83,9 +90,9 @@ def cluster_lanes(
             stack.callback(proposer.stop)
             name = f"cluster@{delay:g}ms"
             daemons = {"proposer": proposer, "verifier": verifier}
-            lanes[name] = _lane(stream_generate, proposer_addr, params, draft_len, daemons)
+            lanes[name] = _lane(stream_generate, proposer_addr, params, draft_len, daemons, cpus)
             if draft_range is not None:
-                adaptive = _lane(stream_generate, proposer_addr, params, 0, daemons)
+                adaptive = _lane(stream_generate, proposer_addr, params, 0, daemons, cpus)
                 lanes[f"{name}-adaptive"] = adaptive
         yield lanes
 
@@ -100,6 +107,11 @@ def as_remote(text: str) -> str:
     return text.replace(line, 'lookahead = "on"\n', 1)
 
 
+def unpinned(text: str) -> str:
+    """`config init`'s cluster.toml without its `cpus` lines: the OS places each daemon."""
+    return "".join(line for line in text.splitlines(True) if not line.startswith("cpus = "))
+
+
 def with_target_device(text: str, device: str) -> str:
     """`config init`'s cluster.toml with the verifier's target on `device`."""
     if device == "cpu":  # the default: the file stays as written
@@ -112,17 +124,27 @@ def with_target_device(text: str, device: str) -> str:
 
 
 def _lane(
-    stream_generate, address: str, params: SamplingParams, draft_len: int, daemons: dict
+    stream_generate,
+    address: str,
+    params: SamplingParams,
+    draft_len: int,
+    daemons: dict,
+    cpus: dict | None = None,
 ) -> LaneFn:
     """Sessions that ask for `draft_len` (0: the lane's width policy decides); each run also
-    records the CPU seconds each of `daemons` ({role: Daemon}) spent during it."""
+    records the CPU seconds each of `daemons` ({role: Daemon}) spent during it. `cpus`: each
+    daemon's `cpus` setting ({role: list or None}); with the proposer's, the harness runs as
+    the client on those CPUs for the run, where a client of the proposer's machine would
+    run, and on its own CPUs again after."""
+    client_cpus = (cpus or {}).get("proposer")
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
         p = dataclasses.replace(params, max_tokens=max_tokens)
         spent = cpu_since(daemons)
-        start = time.perf_counter()
-        r = stream_generate(address, prompt, p, draft_len=draft_len)
-        wall = time.perf_counter() - start
+        with pinned(client_cpus, "proposer.cpus"):
+            start = time.perf_counter()
+            r = stream_generate(address, prompt, p, draft_len=draft_len)
+            wall = time.perf_counter() - start
         cpu = spent()
         s = r["stats"]
         return Sample(
@@ -139,4 +161,5 @@ def _lane(
         )
 
     run.daemons = daemons  # what the sessions suite reads around a wave of concurrent runs
+    run.cpus = cpus or {}  # where the daemons run, and where the clients of a wave run
     return run

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from muser.affinity import pinned
 from muser.benchmark import LaneFn, Sample
 from muser.procs import cpu_since
 from muser.sampling import SamplingParams
@@ -28,7 +29,10 @@ def run_concurrent(
     """Start one generation per prompt at once; returns their samples, the wall and the CPU
     seconds each of the lane's daemons (`lane.daemons`, {role: Daemon}) spent meanwhile."""
     spent = cpu_since(getattr(lane, "daemons", {}))
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+    # the whole wave on the clients' CPUs (the proposer's, `lane.cpus`), so that the runs' own pinning
+    # (each pins the process and restores it) only ever finds and restores those
+    cpus = getattr(lane, "cpus", {}).get("proposer")
+    with pinned(cpus, "proposer.cpus"), ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         start = time.perf_counter()
         futures = [pool.submit(lane, p, max_tokens) for p in prompts]
         samples = [f.result() for f in futures]

@@ -5,9 +5,13 @@ repeat (so drift hits all of them alike), the median and spread over repeats rep
 every raw sample kept in a receipt whose SHA-256 covers the samples' canonical JSON.
 Threads: torch runs with one intra-op thread (tiny models are faster that way on the
 2-core box, and it keeps the second core free for the OS and the harness); MLX runs on its
-CPU stream. The vLLM peer is the exception to "one process": vLLM lives in its own
-environment, so it runs in a child process (`muser.vllm_peer`) that serves one run per request,
-keeping the warm-up and the interleaved order; its child also uses one torch thread. Ratios are to plain target decode measured in the same run.
+CPU stream. The cluster's daemons run on the CPUs `config init` gives each (half the
+machine's each), and the harness is the client of a cluster run on the proposer's
+(`muser.bench_cluster`, `--no-pin` to let the OS place them). The vLLM peer is the
+exception to "one process": vLLM lives in its own environment, so it runs in a child process
+(`muser.vllm_peer`) that serves one run per request, keeping the warm-up and the interleaved
+order; its child also uses one torch thread. Ratios are to plain target decode measured in
+the same run.
 """
 
 from __future__ import annotations

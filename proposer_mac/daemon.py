@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
 from muser import keys, tls
+from muser.affinity import pin_process
 from muser.backend import batches
 from muser.errors import RefusedError
 from muser.metrics import metrics_route
@@ -435,4 +436,7 @@ def serve(config: ClusterConfig) -> None:
     # the loop off that long at each hop.
     sys.setswitchinterval(0.0005)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if config.proposer.cpus is not None:
+        pin_process(config.proposer.cpus, "proposer.cpus")
+        log.info("pinned to CPUs %s", config.proposer.cpus)
     asyncio.run(_serve(config))

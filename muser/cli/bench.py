@@ -67,6 +67,13 @@ def register(sub, name: str, help_text: str) -> None:
         metavar="MS,MS",
         help="cluster lanes at these injected round-trip delays in ms (default 0; '' = none)",
     )
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the OS place the cluster's daemons and client; default: each daemon on its "
+        "own CPUs as `config init` writes them (proposer.cpus, verifier.cpus), each cluster "
+        "run's client on the proposer's, as if on two machines",
+    )
     p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
     p.add_argument(
         "--receipt", type=Path, default=None, help="receipt path (default bench-receipts/)"
@@ -156,6 +163,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
                     delays_ms=delays,
                     draft_range=draft_range,
                     target_device=args.target_device,
+                    pin=not args.no_pin,
                 )
             )
         samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
@@ -181,6 +189,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
         "interrupted": interrupted,
         "notes": notes,
         "threads": "torch.set_num_threads(1); mlx on its CPU stream",
+        "cpus": _cpus(lanes),
     }
     receipt = (
         args.receipt or Path("bench-receipts") / f"lanes-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -200,6 +209,15 @@ def _run_lanes(args: argparse.Namespace) -> int:
         print(f"INTERRUPTED: {interrupted}; the table and receipt hold only those")
     print(f"receipt: {receipt} (samples sha256 {digest})")
     return code
+
+
+def _cpus(lanes: dict) -> dict:
+    """Where the cluster ran, for the receipt: each daemon's CPUs (None: placed by the OS),
+    and the harness's own as the client of a cluster run (the proposer's when pinned)."""
+    cpus = next((fn.cpus for fn in lanes.values() if getattr(fn, "cpus", None)), {})
+    if not cpus:
+        return {}
+    return cpus | {"client": cpus.get("proposer") or "placed by the OS"}
 
 
 def _draft_range(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -256,7 +274,9 @@ def _run_sessions(args: argparse.Namespace) -> int:
         delays_ms=[0.0],
         draft_range=draft_range,
         target_device=args.target_device,
+        pin=not args.no_pin,
     ) as lanes:
+        cpus = _cpus(lanes)
         samples, rates = run_sessions_bench(
             lanes["cluster@0ms-adaptive" if draft_range else "cluster@0ms"],
             prompts,
@@ -286,6 +306,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
         "interrupted": interrupted,
         "rates_tokens_per_s": {str(n): r for n, r in rates.items()},
         "threads": "torch.set_num_threads(1) in each daemon",
+        "cpus": cpus,
     }
     receipt = (
         args.receipt or Path("bench-receipts") / f"sessions-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -22,7 +22,7 @@ public_key = "keys/verifier.pub"
 wal_dir = "wal/verifier"
 target = "{target}"
 backend = "torch"
-
+{verifier_cpus}
 [proposer]
 address = "127.0.0.1:{proposer_port}"
 http = "127.0.0.1:{http_port}"
@@ -33,7 +33,7 @@ wal_dir = "wal/proposer"
 journal_compact_bytes = 268435456
 draft = "{draft}"
 backend = "{draft_backend}"
-
+{proposer_cpus}
 [lane]
 draft_len = {draft_len}
 # draft_len_min / draft_len_max: the range D may move in (default: fixed at draft_len).
@@ -137,6 +137,23 @@ def free_ports(count: int) -> list[int]:
         return ports
 
 
+def _cpu_lines() -> tuple[str, str]:
+    """The `cpus` lines of the two nodes: the CPUs this process may use, split in two halves
+    (the proposer's first), so that the draft and the target do not trade cores as they would
+    not on two machines; a comment alone where there are fewer than two or none can be pinned."""
+    from muser.affinity import allowed, split_for_two
+
+    halves = split_for_two(allowed())
+    if halves is None:
+        note = "# cpus = [...]: the CPUs this daemon runs on (Linux); default: all it may use\n"
+        return note, note
+    return tuple(
+        "# one machine standing for two: each daemon on its own CPUs (remove to let the OS\n"
+        f"# place it)\ncpus = {_toml_value(half)}\n"
+        for half in halves
+    )
+
+
 def init_cluster(
     directory: Path,
     *,
@@ -165,6 +182,7 @@ def init_cluster(
 
         write_tls(directory / "keys" / "tls", ["verifier", "proposer"], force=True)
     verifier_port, verifier_http_port, proposer_port, http_port = free_ports(4)
+    proposer_cpus, verifier_cpus = _cpu_lines()
     path.write_text(
         (TEMPLATE + (TLS_SECTION if tls else "")).format(
             verifier_port=verifier_port,
@@ -176,6 +194,8 @@ def init_cluster(
             draft_backend=draft_backend,
             draft_len=draft_len,
             q_top_k=DEFAULT_Q_TOP_K,
+            proposer_cpus=proposer_cpus,
+            verifier_cpus=verifier_cpus,
         )
     )
     return path

@@ -51,6 +51,7 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
     from transformers import AutoTokenizer
 
     from cluster_config import load_config
+    from muser.affinity import pinned
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import init_cluster
     from muser.cli.qualify import qualify
@@ -79,7 +80,7 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
         for daemon in daemons:
             say(f"starting the {daemon.role} daemon (log: {daemon.log_path})")
             daemon.start()
-        address = load_config(config).proposer.address
+        proposer = load_config(config).proposer
         target = load_target_backend("torch", target_dir)
         for i, text in enumerate(natural_prompts(args.prompts)):
             params = SamplingParams(
@@ -88,12 +89,13 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
             prompt = list(tokenizer.encode(text, add_special_tokens=False))
             say(f"prompt {i + 1}/{args.prompts}: the cluster streams each round as it commits")
             sys.stdout.write(text)
-            result = stream_generate(
-                address,
-                prompt,
-                params,
-                on_event=lambda e: (sys.stdout.write(e.text), sys.stdout.flush()),
-            )
+            with pinned(proposer.cpus, "proposer.cpus"):  # the client, on the proposer's CPUs
+                result = stream_generate(
+                    proposer.address,
+                    prompt,
+                    params,
+                    on_event=lambda e: (sys.stdout.write(e.text), sys.stdout.flush()),
+                )
             target.reset()
             plain = run_plain(target, prompt, params)
             same = plain.tokens == result["tokens"]

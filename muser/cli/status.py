@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 
@@ -101,6 +102,14 @@ def _forward(kind: str | None) -> str:
     return f", {kind} forward" if kind else ""
 
 
+def _cpus(cpus: list[int] | None) -> str:
+    """The status line suffix naming the CPUs a pinned daemon runs on (none when it may run
+    on every CPU of the machine, or the platform cannot tell)."""
+    if not cpus or len(cpus) >= (os.cpu_count() or 0):
+        return ""
+    return ", CPUs " + " ".join(map(str, cpus))
+
+
 def summary(status: dict) -> list[str]:
     """The human lines of one daemon's Status JSON."""
     if not status:
@@ -118,10 +127,18 @@ def summary(status: dict) -> list[str]:
         f"({wal.get('fsyncs', 0)} fsyncs)",
     ]
     if status.get("draft_device"):
-        lines.append(f"draft on {status['draft_device']}" + _forward(status.get("draft_forward")))
+        lines.append(
+            f"draft on {status['draft_device']}"
+            + _forward(status.get("draft_forward"))
+            + _cpus(status.get("cpus"))
+        )
     target = status.get("target") or {}
     if target.get("device"):
-        lines.append(f"target on {target['device']}" + _forward(target.get("forward")))
+        lines.append(
+            f"target on {target['device']}"
+            + _forward(target.get("forward"))
+            + _cpus(status.get("cpus"))
+        )
     batching, drafting = status.get("batching") or {}, status.get("drafting") or {}
     if batching.get("batches"):
         lines.append(

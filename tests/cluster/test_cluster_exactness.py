@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -95,8 +97,16 @@ def test_generate_cli_cluster_json_has_the_local_lane_shape(cluster):
     assert json.loads(local.stdout)["tokens"] == result["tokens"]
 
 
-def test_status_waits_for_both_daemons(cluster):
+def test_status_waits_for_both_daemons_and_says_where_they_run(cluster):
     out = muser("status", "--config", str(cluster.config_path), "--wait", "60", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     assert report["healthy"] and report["verifier"]["serving"] and report["proposer"]["serving"]
+    for role, daemon in (("verifier", cluster.verifier), ("proposer", cluster.proposer)):
+        # config init split this machine's CPUs; every thread of the daemon runs on its half
+        wanted = getattr(cluster.config, role).cpus or sorted(os.sched_getaffinity(0))
+        tasks = Path(f"/proc/{daemon.proc.pid}/task")
+        assert {tuple(sorted(os.sched_getaffinity(int(t.name)))) for t in tasks.iterdir()} == {
+            tuple(wanted)
+        }, role
+        assert report[role]["status"]["cpus"] == wanted

@@ -146,3 +146,56 @@ def test_keygen_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"a"} and len(out["a"]["key_id"]) == 16
     assert main(["keygen", "--out", str(tmp_path), "--name", "a"]) == 2
+
+
+def test_init_gives_each_daemon_half_of_the_cpus(tmp_path, models, monkeypatch):
+    from muser import affinity
+
+    monkeypatch.setattr(affinity, "allowed", lambda: frozenset({0, 1, 2, 3, 5}))
+    cfg = load_config(init_cluster(tmp_path / "c", target=models[0], draft=models[1]))
+    assert (cfg.proposer.cpus, cfg.verifier.cpus) == ([0, 1], [2, 3, 5])
+
+
+@pytest.mark.parametrize("cpus", [None, frozenset({0})])
+def test_init_pins_nothing_where_there_is_nothing_to_split(tmp_path, models, monkeypatch, cpus):
+    from muser import affinity
+
+    monkeypatch.setattr(affinity, "allowed", lambda: cpus)
+    path = init_cluster(tmp_path / "c", target=models[0], draft=models[1])
+    cfg = load_config(path)
+    assert (cfg.proposer.cpus, cfg.verifier.cpus) == (None, None)
+    assert path.read_text().count("# cpus = [...]") == 2  # the setting is still documented
+
+
+@pytest.mark.parametrize("value", ["[]", "[0, 0]", "[-1]", '"0"'])
+def test_bad_cpus_are_quoted_with_their_path(cluster_file, value):
+    text = cluster_file.read_text()
+    head, sep, rest = text.partition("\n[proposer]")
+    head = "".join(line for line in head.splitlines(True) if not line.startswith("cpus = "))
+    cluster_file.write_text(
+        head.replace("[verifier]\n", f"[verifier]\ncpus = {value}\n") + sep + rest
+    )
+    with pytest.raises(ConfigError, match=r"verifier.cpus: .*got "):
+        load_config(cluster_file)
+
+
+def test_cpus_this_machine_does_not_give_are_refused_for_that_node_only(
+    cluster_file, unqualified, monkeypatch
+):
+    from muser import affinity
+
+    monkeypatch.setattr(affinity, "allowed", lambda: frozenset({0, 1}))
+    text = "".join(
+        line for line in cluster_file.read_text().splitlines(True) if not line.startswith("cpus = ")
+    )
+    cluster_file.write_text(
+        text.replace('wal_dir = "wal/proposer"\n', 'wal_dir = "wal/proposer"\ncpus = [1, 7]\n')
+    )
+    cfg = load_config(cluster_file)
+    with pytest.raises(
+        ConfigError, match=r"proposer.cpus \[1, 7\] names CPU 7, but .* CPUs \[0, 1\]"
+    ):
+        check_rules(cfg)
+    check_rules(cfg, role="verifier")  # another machine's CPUs are not this one's to check
+    with pytest.raises(ConfigError, match="proposer.cpus"):
+        check_rules(cfg, role="proposer")

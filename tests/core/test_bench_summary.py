@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -220,6 +221,67 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
     got = run([5, 6], 3)
     assert got.cpu_s == {"proposer": 0.25}  # the verifier's CPU could not be read: left out
     assert got.tokens == [1, 2, 3] and got.rounds == 2
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs Linux and at least two CPUs to tell a pin from no pin",
+)
+def test_a_pinned_cluster_run_is_the_client_on_the_proposers_cpus_and_only_while_it_runs():
+    from muser.bench_cluster import _lane
+    from muser.sampling import SamplingParams
+
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    seen = []
+
+    def stream_generate(*args, **kwargs):
+        seen.append(os.sched_getaffinity(0))
+        return {"tokens": [1], "stats": {"drafted": 1, "accepted": 1, "rounds": 1, "split_s": {}}}
+
+    cpus = {"proposer": [cpu], "verifier": [min(before)]}
+    run = _lane(stream_generate, "127.0.0.1:1", SamplingParams(), 4, {}, cpus)
+    run([5], 1)
+    assert seen == [{cpu}] and os.sched_getaffinity(0) == before
+    assert run.cpus == cpus  # what the sessions suite pins a wave's clients to
+    _lane(stream_generate, "127.0.0.1:1", SamplingParams(), 4, {}, None)([5], 1)
+    assert seen[1] == before  # unpinned (bench --no-pin): where the OS puts it
+
+
+def test_the_receipt_says_where_the_cluster_ran():
+    from muser.cli.bench import _cpus
+
+    def lane(prompt, max_tokens):
+        raise AssertionError("not run")
+
+    def cluster(prompt, max_tokens):
+        raise AssertionError("not run")
+
+    cluster.cpus = {"proposer": [0], "verifier": [1]}
+    assert _cpus({"local": lane, "cluster@0ms": cluster}) == {
+        "proposer": [0],
+        "verifier": [1],
+        "client": [0],
+    }
+    cluster.cpus = {"proposer": None, "verifier": None}  # bench --no-pin
+    assert _cpus({"cluster@0ms": cluster})["client"] == "placed by the OS"
+    assert _cpus({"local": lane}) == {}  # no cluster lane: nothing to say
+
+
+def test_no_pin_takes_the_cpus_lines_out_of_config_inits_file(tmp_path):
+    from cluster_config import load_config
+    from muser.bench_cluster import unpinned
+    from muser.cli.config import init_cluster
+    from muser.testing import make_tiny_checkpoint
+
+    pair = (
+        make_tiny_checkpoint(tmp_path / "t", seed=1),
+        make_tiny_checkpoint(tmp_path / "d", seed=2),
+    )
+    path = init_cluster(tmp_path / "c", target=pair[0], draft=pair[1])
+    path.write_text(unpinned(path.read_text()))
+    cfg = load_config(path)
+    assert (cfg.proposer.cpus, cfg.verifier.cpus) == (None, None)
 
 
 def test_cpu_seconds_reads_a_live_process_and_none_for_a_gone_one():

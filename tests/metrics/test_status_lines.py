@@ -11,8 +11,7 @@ def test_the_verifier_shows_its_target_batches_and_queue():
                      "queue_depth": 0, "queue_depth_max": 4, "queue_full": 2},
     }  # fmt: skip
     assert (
-        "target batches 5 (mean 1.60 rounds, sizes 1×3 2×1 3×1)  queue now 0, max 4, "
-        "refused full 2"
+        "target batches 5 (mean 1.60 rounds, sizes 1×3 2×1 3×1)  queue now 0, max 4, refused full 2"
     ) in summary(status)
 
 
@@ -36,3 +35,13 @@ def test_each_daemon_names_the_torch_forward_it_runs():
     assert "draft on torch:cpu, lean forward" in summary(proposer)
     assert "target on torch:cpu, transformers forward" in summary(verifier)
     assert "draft on mlx:cpu" in summary({"draft_device": "mlx:cpu", "draft_forward": None})
+
+
+def test_a_pinned_daemon_names_its_cpus_and_an_unpinned_one_does_not(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    proposer = {"draft_device": "torch:cpu", "draft_forward": "lean", "cpus": [0, 1]}
+    verifier = {"target": {"device": "torch:cpu", "forward": "lean"}, "cpus": [3]}
+    assert "draft on torch:cpu, lean forward, CPUs 0 1" in summary(proposer)
+    assert "target on torch:cpu, lean forward, CPUs 3" in summary(verifier)
+    for cpus in ([0, 1, 2, 3], None):  # every CPU of the machine, or a platform that cannot say
+        assert "target on torch:cpu, lean forward" in summary(verifier | {"cpus": cpus})
