@@ -31,6 +31,7 @@ from muser.metrics import metrics_route
 from muser.records import Identity, RoundResult
 from muser.sampling import SamplingParams
 from muser.stats import DaemonStats, LaneStats
+from muser.tasks import in_background
 from muser.width import FixedWidth, WidthPolicy, width_policy
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -94,7 +95,6 @@ class ProposerCore:
             lookahead=lookahead_on(config.lane.lookahead, config.verifier.address),
             batch_with=draft if self.draft_batch else None,
         )
-        self._background: set[asyncio.Future] = set()
         self._compacting = threading.Lock()
         self._compacted_at = self.journal_bytes()
         """Bytes of segments the last compaction (or the start) left on disk."""
@@ -126,12 +126,9 @@ class ProposerCore:
     def _start(self, runner: SessionRunner) -> None:
         """Run the session; once it ends, see whether the journal wants compacting."""
         runner.start()
-        runner.task.add_done_callback(lambda _: self._in_background(self.maybe_compact()))
-
-    def _in_background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._background.discard)
+        runner.task.add_done_callback(
+            lambda _: in_background(self.maybe_compact(), "journal compaction", log)
+        )
 
     def _forget_finished(self) -> None:
         """Keep at most limits.finished_sessions finished sessions (the oldest go first);

@@ -33,6 +33,7 @@ from muser.backend import MultiSequenceBackend
 from muser.records import Signed, advance, close_message, draws_for_round
 from muser.round import clip_emission
 from muser.stats import LaneStats
+from muser.tasks import in_background
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -44,16 +45,6 @@ from proposer_mac.session import ProposerSession
 from proposer_mac.speculating import Speculating, drop_clones, held_guess
 
 log = logging.getLogger("muser.proposer")
-
-_tasks: set[asyncio.Future] = set()
-"""Fire-and-forget tasks (acks), held until they end."""
-
-
-def _in_background(coro) -> None:
-    task = asyncio.ensure_future(coro)
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
-
 
 QUEUE_FULL = "round_queue_full"
 """The refusal reason of a verifier whose round queue is full: re-send after a backoff."""
@@ -67,7 +58,9 @@ def _look_ahead(stream, spec: Speculating, round_: int) -> None:
         if not future.cancelled() and future.exception() is None:
             for guess in spec.to_name(future.result()[0]):
                 drafts = list(guess.proposal.drafts)
-                _in_background(stream.look_ahead(round_, list(guess.emitted), drafts))
+                in_background(
+                    stream.look_ahead(round_, list(guess.emitted), drafts), "a lookahead", log
+                )
 
     spec.future.add_done_callback(send)
 
@@ -276,7 +269,7 @@ class SessionRunner:
                 if speculation is not None and stream is not None and lookahead:
                     _look_ahead(stream, speculation, s.next_round + 1)
             if ack_due is not None and stream is not None:
-                _in_background(stream.ack(ack_due))  # after the request: off its path
+                in_background(stream.ack(ack_due), "an ack", log)  # after the request: off its path
                 ack_due = None
 
         def decided(d: pb.Decision) -> None:

@@ -64,6 +64,7 @@ from muser.errors import (
 from muser.keys import SignatureError
 from muser.metrics import DaemonView, status_fields
 from muser.records import Signed
+from muser.tasks import in_background
 from muser.verify import RoundDecision
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -117,23 +118,6 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     RefusedError: (C.INVALID_ARGUMENT, "refused"),
     MuserError: (C.INTERNAL, "internal"),
 }
-
-
-_hints: set[asyncio.Task] = set()
-"""Lookahead tasks in flight (the loop keeps only weak references to tasks)."""
-
-
-def _beside(coro) -> None:
-    """Run a hint's coroutine beside the stream; its failure is logged, never raised."""
-    task = asyncio.ensure_future(coro)
-    _hints.add(task)
-
-    def done(t: asyncio.Task) -> None:
-        _hints.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.warning("a lookahead failed: %s", t.exception())
-
-    task.add_done_callback(done)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -238,8 +222,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     yield error
             elif kind == "lookahead":  # a hint: it runs beside the stream, never answered
                 ahead = msg.lookahead
-                _beside(self.manager.look_ahead(session_id, ahead.round, list(ahead.after),
-                                                list(ahead.drafts)))  # fmt: skip
+                hint = self.manager.look_ahead(
+                    session_id, ahead.round, list(ahead.after), list(ahead.drafts)
+                )
+                in_background(hint, "a lookahead", log)
             elif kind == "ack":
                 if msg.ack.session_id == session_id:
                     self.manager.ack(session_id, msg.ack.round)
