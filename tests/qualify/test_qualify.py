@@ -239,7 +239,7 @@ K = DEFAULT_Q_TOP_K
         (f"q_top_k = {K}", "q_top_k = 16", f"lane.q_top_k: qualified {K}, now 16"),
         ("draft_len = 4", "draft_len = 3", "lane.draft_len: qualified 4, now 3"),
         (f"q_top_k = {K}", f"q_top_k = {K}\ncapture_layers = [0]", "lane.capture_layers:"),
-        ('backend = "torch"\n\n[proposer]', 'backend = "torch"\ndtype = "bfloat16"\n\n[proposer]',
+        ('wal_dir = "wal/verifier"\n', 'wal_dir = "wal/verifier"\ndtype = "bfloat16"\n',
          "target dtype: qualified 'float32', now 'bfloat16'"),
     ],
 )  # fmt: skip
@@ -414,6 +414,7 @@ def test_a_verifier_without_the_draft_files_binds_the_receipts_draft_at_open(
     with pytest.raises(ModelMismatchError, match="not the draft this lane was qualified with"):
         check_identities(opened_with("0" * 64), target, manager.qualified_draft)
     # the backend/dtype the proposer runs are still the config's, and still bound
-    edit(qualified, 'backend = "torch"\n\n[lane]', 'backend = "mlx"\n\n[lane]')
+    head, sep, rest = qualified.read_text().partition("\n[proposer]\n")
+    qualified.write_text(head + sep + rest.replace('backend = "torch"\n', 'backend = "mlx"\n', 1))
     with pytest.raises(q.QualificationError, match="draft backend"):
         q.require_receipt(load_config(qualified))
