@@ -32,13 +32,15 @@ def cluster_lanes(
     draft_range: tuple[int, int] | None = None,
     target_device: str = "cpu",
     pin: bool = True,
+    settings: dict[str, str] | None = None,
 ):
     """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms). With
     `draft_range` the lane may move D in it: `cluster@Xms` sessions still ask for draft_len
     (fixed), and `cluster@Xms-adaptive` sessions ask for none, so the lane's adaptive width
     chooses (the same proposer serves both). `target_device`: the verifier's `device`.
     `pin`: keep `config init`'s CPUs for each daemon (and run each run's client on the
-    proposer's); False lets the OS place both daemons and the client."""
+    proposer's); False lets the OS place both daemons and the client. `settings`: a variant's
+    `{"SECTION.KEY": TOML value}` written into the cluster file (`with_settings`)."""
     from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import free_port, init_cluster
@@ -58,6 +60,8 @@ def cluster_lanes(
         base.write_text(with_target_device(base.read_text(), target_device))
         if not pin:
             base.write_text(unpinned(base.read_text()))
+        if settings:
+            base.write_text(with_settings(base.read_text(), settings))
         config = load_config(base)
         cpus = {"proposer": config.proposer.cpus, "verifier": config.verifier.cpus}
         qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
@@ -110,6 +114,54 @@ def as_remote(text: str) -> str:
 def unpinned(text: str) -> str:
     """`config init`'s cluster.toml without its `cpus` lines: the OS places each daemon."""
     return "".join(line for line in text.splitlines(True) if not line.startswith("cpus = "))
+
+
+SECTIONS = ("verifier", "proposer", "lane", "limits")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME: SECTION.KEY=VALUE ...` (a bench `--cluster-variant`) as (name, settings); each
+    VALUE is TOML written without spaces (`2`, `false`, `"on"`, `[0,1]`), or `none` to
+    remove the key (its default applies)."""
+    name, sep, rest = text.partition(":")
+    name = name.strip()
+    expected = "expected 'NAME: SECTION.KEY=VALUE ...' (e.g. 'b2: lane.speculate_branches=2')"
+    if not sep or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ValueError(f"--cluster-variant {text!r}: {expected}, with a NAME of letters, "
+                         "digits, - and _")  # fmt: skip
+    settings: dict[str, str] = {}
+    for item in rest.split():
+        key, eq, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        if not eq or not value or not dot or not field or section not in SECTIONS:
+            raise ValueError(
+                f"--cluster-variant {text!r}: {item!r} is not SECTION.KEY=VALUE with SECTION "
+                f"one of {', '.join(SECTIONS)}"
+            )
+        settings[key] = value
+    if not settings:
+        raise ValueError(f"--cluster-variant {text!r}: no settings; {expected}")
+    return name, settings
+
+
+def with_settings(text: str, settings: dict[str, str]) -> str:
+    """`config init`'s cluster.toml with each `SECTION.KEY` set to its TOML value (a line
+    replaced, or added under the section's header), or removed when the value is `none`."""
+    lines = text.splitlines(True)
+    for key, value in settings.items():
+        section, _, field = key.partition(".")
+        try:
+            start = lines.index(f"[{section}]\n") + 1
+        except ValueError:
+            raise ValueError(f"cluster.toml has no [{section}] section (setting {key})") from None
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+        at = [i for i in range(start, end) if lines[i].split("=")[0].strip() == field]
+        new = [] if value == "none" else [f"{field} = {value}\n"]
+        if at:
+            lines[at[0] : at[0] + 1] = new
+        else:
+            lines[start:start] = new
+    return "".join(lines)
 
 
 def with_target_device(text: str, device: str) -> str:

@@ -74,6 +74,16 @@ def register(sub, name: str, help_text: str) -> None:
         "own CPUs as `config init` writes them (proposer.cpus, verifier.cpus), each cluster "
         "run's client on the proposer's, as if on two machines",
     )
+    p.add_argument(
+        "--cluster-variant",
+        action="append",
+        default=[],
+        metavar="'NAME: SECTION.KEY=VALUE ...'",
+        help="also run the cluster lanes on a second cluster with these settings, interleaved "
+        "with the rest (lanes cluster@Xms[NAME]); VALUE is TOML without spaces, or none to "
+        "remove the key, e.g. 'b2: lane.speculate_branches=2' or 'nopin: proposer.cpus=none "
+        "verifier.cpus=none'; repeatable",
+    )
     p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
     p.add_argument(
         "--receipt", type=Path, default=None, help="receipt path (default bench-receipts/)"
@@ -130,6 +140,8 @@ def _run_lanes(args: argparse.Namespace) -> int:
     from muser.fixtures import build_fixtures, natural_prompts, periodic_prompt
     from muser.sampling import SamplingParams
 
+    delays = [float(d) for d in args.cluster_delays.split(",") if d.strip()]
+    variants = _variants(args.cluster_variant, delays)
     fixtures = build_fixtures(progress=not args.json)
     pair = fixtures.periodic if args.periodic else fixtures.natural
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
@@ -151,10 +163,9 @@ def _run_lanes(args: argparse.Namespace) -> int:
     )
     from muser.bench_cluster import cluster_lanes
 
-    delays = [float(d) for d in args.cluster_delays.split(",") if d.strip()]
     with contextlib.ExitStack() as stack:
-        if delays:
-            lanes |= stack.enter_context(
+        for variant, settings in ([(None, None)] if delays else []) + list(variants.items()):
+            got = stack.enter_context(
                 cluster_lanes(
                     pair.target,
                     pair.draft,
@@ -164,8 +175,10 @@ def _run_lanes(args: argparse.Namespace) -> int:
                     draft_range=draft_range,
                     target_device=args.target_device,
                     pin=not args.no_pin,
+                    settings=settings,
                 )
             )
+            lanes |= {(f"{k}[{variant}]" if variant else k): fn for k, fn in got.items()}
         samples = run_bench(lanes, prompts, args.max_tokens, args.repeats, progress=not args.json)
     interrupted = _interrupted(len(samples), args.repeats * len(prompts) * len(lanes))
     if not samples:
@@ -185,6 +198,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
         "target_device": args.target_device,
         "max_tokens": args.max_tokens,
         "cluster_delays_ms": delays,
+        "cluster_variants": variants,
         "repeats": args.repeats,
         "interrupted": interrupted,
         "notes": notes,
@@ -209,6 +223,25 @@ def _run_lanes(args: argparse.Namespace) -> int:
         print(f"INTERRUPTED: {interrupted}; the table and receipt hold only those")
     print(f"receipt: {receipt} (samples sha256 {digest})")
     return code
+
+
+def _variants(texts: list[str], delays: list[float]) -> dict[str, dict[str, str]]:
+    """--cluster-variant values as {name: settings}; refused (exit 2) before any work."""
+    from muser.bench_cluster import parse_variant
+    from muser.errors import RefusedError
+
+    variants: dict[str, dict[str, str]] = {}
+    for text in texts:
+        try:
+            name, settings = parse_variant(text)
+        except ValueError as exc:
+            raise RefusedError(str(exc)) from None
+        if name in variants:
+            raise RefusedError(f"--cluster-variant: the name {name!r} is given twice")
+        variants[name] = settings
+    if variants and not delays:
+        raise RefusedError("--cluster-variant runs cluster lanes: give --cluster-delays too")
+    return variants
 
 
 def _cpus(lanes: dict) -> dict:

@@ -1,0 +1,94 @@
+"""`muser bench --cluster-variant`: a second cluster's settings, parsed and written into the
+cluster file it runs from, or refused before any work with what was wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster_config import load_config
+from muser.bench_cluster import parse_variant, with_settings
+from muser.cli.config import init_cluster
+from muser.cli.main import main
+from muser.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def cluster_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("variant")
+    pair = make_tiny_checkpoint(root / "t", seed=1), make_tiny_checkpoint(root / "d", seed=2)
+    return init_cluster(root / "c", target=pair[0], draft=pair[1])
+
+
+def test_a_variant_is_a_name_and_its_settings():
+    assert parse_variant("b2: lane.speculate_branches=2") == (
+        "b2",
+        {"lane.speculate_branches": "2"},
+    )
+    assert parse_variant("nopin:proposer.cpus=none  verifier.cpus=none") == (
+        "nopin",
+        {"proposer.cpus": "none", "verifier.cpus": "none"},
+    )
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("lane.speculate_branches=2", "expected 'NAME: SECTION.KEY=VALUE"),
+        ("b 2: lane.draft_len=3", "expected 'NAME: SECTION.KEY=VALUE"),
+        ("b2:", "no settings"),
+        ("b2: speculate_branches=2", "'speculate_branches=2' is not SECTION.KEY=VALUE"),
+        ("b2: tls.ca=x", "'tls.ca=x' is not SECTION.KEY=VALUE"),
+        ("b2: lane.draft_len=", "'lane.draft_len=' is not SECTION.KEY=VALUE"),
+    ],
+)
+def test_a_malformed_variant_is_refused_quoting_it(text, says):
+    with pytest.raises(ValueError, match=f"--cluster-variant {text!r}: .*{says}"):
+        parse_variant(text)
+
+
+def test_settings_replace_add_and_remove_lines_and_take_effect(cluster_file):
+    settings = {
+        "lane.speculate_branches": "2",  # replaced
+        "lane.draft_len_max": "6",  # added under [lane]
+        "proposer.cpus": "none",  # removed: the OS places the proposer
+        "limits.max_batch": "4",
+    }
+    edited = cluster_file.with_name("variant.toml")  # beside the keys it names
+    edited.write_text(with_settings(cluster_file.read_text(), settings))
+    config = load_config(edited)
+    assert config.lane.speculate_branches == 2 and config.lane.draft_len_max == 6
+    assert config.proposer.cpus is None and config.limits.max_batch == 4
+    base = load_config(cluster_file)
+    assert config.verifier.cpus == base.verifier.cpus  # untouched
+    assert base.lane.speculate_branches == 4
+
+
+def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
+    text = cluster_file.read_text().replace("[limits]\n", "[limitz]\n")
+    with pytest.raises(ValueError, match=r"no \[limits\] section \(setting limits.max_batch\)"):
+        with_settings(text, {"limits.max_batch": "4"})
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--cluster-variant", "b2 lane.x=1"], "expected 'NAME: SECTION.KEY=VALUE"),
+        (
+            ["--cluster-variant", "a: lane.draft_len=3", "--cluster-variant", "a: lane.q_top_k=8"],
+            "the name 'a' is given twice",
+        ),
+        (
+            ["--cluster-variant", "a: lane.draft_len=3", "--cluster-delays", ""],
+            "give --cluster-delays too",
+        ),
+    ],
+)
+def test_bench_refuses_bad_variants_before_any_work(args, says, capsys, monkeypatch):
+    import muser.fixtures
+
+    def no_fixtures(*a, **k):
+        raise AssertionError("the refusal comes first")
+
+    monkeypatch.setattr(muser.fixtures, "build_fixtures", no_fixtures)
+    assert main(["bench", "--no-peers", *args]) == 2
+    assert says in capsys.readouterr().err
