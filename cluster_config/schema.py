@@ -185,7 +185,7 @@ class Lane(_Strict):
         "fully accepted (latency hiding; never changes the tokens).",
     )
     speculate_branches: int = Field(
-        4,
+        2,
         ge=0,
         le=64,
         description="Greedy: speculate on more outcomes than full acceptance at once: the "

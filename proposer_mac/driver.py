@@ -414,7 +414,7 @@ class DriverContext:
         log,
         channel: grpc.aio.Channel,
         speculate: bool = True,
-        branches: int = 4,
+        branches: int = 2,
         batch_with: MultiSequenceBackend | None = None,
         lookahead: bool = False,
     ):

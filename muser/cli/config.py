@@ -49,7 +49,7 @@ q_top_k = {q_top_k}
 draft_batch = true
 # greedy: while a round is away, draft the next one on full acceptance and on the rejection
 # of each of the first N drafts (the draft's runner-up as the target's pick), together
-speculate_branches = 4
+speculate_branches = 2
 # name each round drafted ahead to the verifier before its request, so it can evaluate it
 # early; auto: on unless the verifier is on this machine (loopback)
 lookahead = "auto"

@@ -48,7 +48,7 @@ def test_a_malformed_variant_is_refused_quoting_it(text, says):
 
 def test_settings_replace_add_and_remove_lines_and_take_effect(cluster_file):
     settings = {
-        "lane.speculate_branches": "2",  # replaced
+        "lane.speculate_branches": "3",  # replaced
         "lane.draft_len_max": "6",  # added under [lane]
         "proposer.cpus": "none",  # removed: the OS places the proposer
         "limits.max_batch": "4",
@@ -56,11 +56,11 @@ def test_settings_replace_add_and_remove_lines_and_take_effect(cluster_file):
     edited = cluster_file.with_name("variant.toml")  # beside the keys it names
     edited.write_text(with_settings(cluster_file.read_text(), settings))
     config = load_config(edited)
-    assert config.lane.speculate_branches == 2 and config.lane.draft_len_max == 6
+    assert config.lane.speculate_branches == 3 and config.lane.draft_len_max == 6
     assert config.proposer.cpus is None and config.limits.max_batch == 4
     base = load_config(cluster_file)
     assert config.verifier.cpus == base.verifier.cpus  # untouched
-    assert base.lane.speculate_branches == 4
+    assert base.lane.speculate_branches == 2
 
 
 def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
