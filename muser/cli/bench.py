@@ -94,6 +94,13 @@ def register(sub, name: str, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cluster_variant and args.suite != "lanes":
+        from muser.errors import RefusedError
+
+        raise RefusedError(
+            f"--cluster-variant runs beside the lanes suite's cluster lanes; --suite "
+            f"{args.suite} has none to compare with (run --suite lanes)"
+        )
     if args.suite == "wal":
         return _run_wal(args)
     from verifier_gx.backends.torch_backend import check_device

@@ -81,6 +81,10 @@ def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
             ["--cluster-variant", "a: lane.draft_len=3", "--cluster-delays", ""],
             "give --cluster-delays too",
         ),
+        (
+            ["--suite", "sessions", "--cluster-variant", "a: lane.draft_len=3"],
+            "--suite sessions has none to compare with",
+        ),
     ],
 )
 def test_bench_refuses_bad_variants_before_any_work(args, says, capsys, monkeypatch):
