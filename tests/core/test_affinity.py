@@ -86,3 +86,42 @@ def test_two_machines_on_one_get_disjoint_halves():
     assert affinity.split_for_two(frozenset({0, 1})) == ([0], [1])
     assert affinity.split_for_two(frozenset({2, 5, 7})) == ([2], [5, 7])
     assert affinity.split_for_two(frozenset(range(16))) == (list(range(8)), list(range(8, 16)))
+
+
+class _Client:
+    """A fake `stream_generate` that records the CPUs of the thread each run calls it on."""
+
+    def __init__(self) -> None:
+        self.seen: list[set[int]] = []
+
+    def __call__(self, *args, **kwargs) -> dict:
+        self.seen.append(os.sched_getaffinity(0))
+        return {"tokens": [1], "stats": {"drafted": 1, "accepted": 1, "rounds": 1, "split_s": {}}}
+
+
+@linux
+def test_a_pinned_cluster_run_is_the_client_on_the_proposers_cpus_and_only_while_it_runs():
+    from muser.bench_cluster import _lane
+    from muser.sampling import SamplingParams
+
+    before, client = os.sched_getaffinity(0), _Client()
+    cpus = {"proposer": [max(before)], "verifier": [min(before)]}
+    run = _lane(client, "127.0.0.1:1", SamplingParams(), 4, {}, cpus)
+    run([5], 1)
+    assert client.seen == [{max(before)}] and os.sched_getaffinity(0) == before
+    assert run.cpus == cpus  # what the sessions suite pins a wave's clients to
+    _lane(client, "127.0.0.1:1", SamplingParams(), 4, {}, None)([5], 1)
+    assert client.seen[1] == before  # unpinned (bench --no-pin): where the OS puts it
+
+
+@linux
+def test_a_waves_clients_run_on_the_proposers_cpus_and_the_harness_gets_its_own_back():
+    from muser.bench_cluster import _lane
+    from muser.bench_sessions import run_concurrent
+    from muser.sampling import SamplingParams
+
+    before, client = os.sched_getaffinity(0), _Client()
+    lane = _lane(client, "127.0.0.1:1", SamplingParams(), 4, {}, {"proposer": [max(before)]})
+    run_concurrent(lane, [[1], [2], [3], [4]], 1)  # one client thread each
+    assert client.seen == [{max(before)}] * 4
+    assert os.sched_getaffinity(0) == before

@@ -223,31 +223,6 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
     assert got.tokens == [1, 2, 3] and got.rounds == 2
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="pinning needs Linux and at least two CPUs to tell a pin from no pin",
-)
-def test_a_pinned_cluster_run_is_the_client_on_the_proposers_cpus_and_only_while_it_runs():
-    from muser.bench_cluster import _lane
-    from muser.sampling import SamplingParams
-
-    before = os.sched_getaffinity(0)
-    cpu = max(before)
-    seen = []
-
-    def stream_generate(*args, **kwargs):
-        seen.append(os.sched_getaffinity(0))
-        return {"tokens": [1], "stats": {"drafted": 1, "accepted": 1, "rounds": 1, "split_s": {}}}
-
-    cpus = {"proposer": [cpu], "verifier": [min(before)]}
-    run = _lane(stream_generate, "127.0.0.1:1", SamplingParams(), 4, {}, cpus)
-    run([5], 1)
-    assert seen == [{cpu}] and os.sched_getaffinity(0) == before
-    assert run.cpus == cpus  # what the sessions suite pins a wave's clients to
-    _lane(stream_generate, "127.0.0.1:1", SamplingParams(), 4, {}, None)([5], 1)
-    assert seen[1] == before  # unpinned (bench --no-pin): where the OS puts it
-
-
 def test_the_receipt_says_where_the_cluster_ran():
     from muser.cli.bench import _cpus
 
@@ -285,7 +260,6 @@ def test_no_pin_takes_the_cpus_lines_out_of_config_inits_file(tmp_path):
 
 
 def test_cpu_seconds_reads_a_live_process_and_none_for_a_gone_one():
-    import os
     import time
 
     from muser.procs import cpu_seconds

@@ -4,7 +4,6 @@ refusals quote the offending values; the summary's ratios and greedy checks are 
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 from pydantic import ValidationError
@@ -99,26 +98,3 @@ def test_a_wave_reads_the_lanes_daemons_around_all_its_runs():
     samples, wall, cpu = run_concurrent(lane, [[1], [2], [3]], 3)
     assert cpu == {"proposer": 0.5} and wall > 0
     assert [s.prompt for s in samples] == [0, 1, 2] and all(s.cpu_s == {} for s in samples)
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="pinning needs Linux and at least two CPUs to tell a pin from no pin",
-)
-def test_a_waves_clients_run_on_the_proposers_cpus_and_the_harness_gets_its_own_back():
-    from muser.bench_cluster import _lane
-    from muser.bench_sessions import run_concurrent
-    from muser.sampling import SamplingParams
-
-    before = os.sched_getaffinity(0)
-    cpu = max(before)
-    seen = []
-
-    def stream_generate(*args, **kwargs):
-        seen.append(os.sched_getaffinity(0))  # each client thread's own CPUs
-        return {"tokens": [1], "stats": {"drafted": 1, "accepted": 1, "rounds": 1, "split_s": {}}}
-
-    lane = _lane(stream_generate, "127.0.0.1:1", SamplingParams(), 4, {}, {"proposer": [cpu]})
-    run_concurrent(lane, [[1], [2], [3], [4]], 1)
-    assert seen == [{cpu}] * 4
-    assert os.sched_getaffinity(0) == before
