@@ -28,10 +28,14 @@ def allowed() -> frozenset[int] | None:
     return frozenset(os.sched_getaffinity(0))
 
 
-def running_on() -> list[int] | None:
-    """The CPUs this process may run on, for status (None where the platform cannot pin)."""
+def pinned_to() -> list[int] | None:
+    """The CPUs this process is confined to, for status: None when it may run on every CPU
+    of its machine, or the platform cannot pin. Decided here, on the daemon's machine: a
+    `muser status` elsewhere cannot count this machine's CPUs."""
     have = allowed()
-    return None if have is None else sorted(have)
+    if have is None or len(have) >= (os.cpu_count() or 0):
+        return None
+    return sorted(have)
 
 
 def check(cpus: Iterable[int], where: str) -> frozenset[int]:

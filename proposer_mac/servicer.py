@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from muser.affinity import running_on
+from muser.affinity import pinned_to
 from muser.errors import MuserError, RefusedError
 from muser.metrics import DaemonView, status_fields
 from muser.stats import LaneStats
@@ -113,7 +113,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             "draft_device": getattr(core.draft, "device_label", "unknown"),
             # torch: "lean" or "transformers" (the backend's forward); absent for mlx
             "draft_forward": getattr(core.draft, "forward_kind", None),
-            "cpus": running_on(),  # where this daemon may run (proposer.cpus pins it)
+            "cpus": pinned_to(),  # the CPUs proposer.cpus (or a cpuset) confines it to
             # rounds of concurrent sessions drafted together (lane.draft_batch): size -> batches
             "drafting": {
                 "batch": core.draft_batch,

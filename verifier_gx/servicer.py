@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from muser import logs
-from muser.affinity import running_on
+from muser.affinity import pinned_to
 from muser.canonical import CanonicalError
 from muser.errors import (
     CaptureLayerError,
@@ -378,5 +378,5 @@ def status_json(manager: SessionManager) -> dict:
             # torch: "lean" (the lean Llama forward) or "transformers"; absent for others
             "forward": getattr(manager.backend, "forward_kind", None),
         },
-        "cpus": running_on(),  # where this daemon may run (verifier.cpus pins it)
+        "cpus": pinned_to(),  # the CPUs verifier.cpus (or a cpuset) confines it to
     }

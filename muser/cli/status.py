@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 
@@ -103,11 +102,9 @@ def _forward(kind: str | None) -> str:
 
 
 def _cpus(cpus: list[int] | None) -> str:
-    """The status line suffix naming the CPUs a pinned daemon runs on (none when it may run
-    on every CPU of the machine, or the platform cannot tell)."""
-    if not cpus or len(cpus) >= (os.cpu_count() or 0):
-        return ""
-    return ", CPUs " + " ".join(map(str, cpus))
+    """The status line suffix naming the CPUs a pinned daemon runs on (its Status says None
+    when it may run on every CPU of its machine)."""
+    return ", CPUs " + " ".join(map(str, cpus)) if cpus else ""
 
 
 def summary(status: dict) -> list[str]:

@@ -56,6 +56,17 @@ def test_pinned_moves_every_thread_and_gives_them_back():
     assert {t: now[t] for t in before if t in now} == {t: before[t] for t in before if t in now}
 
 
+@linux
+def test_status_names_the_cpus_a_process_is_confined_to_and_none_when_it_has_them_all(
+    monkeypatch,
+):
+    cpu = min(os.sched_getaffinity(0))
+    with affinity.pinned([cpu]):
+        assert affinity.pinned_to() == [cpu]
+    monkeypatch.setattr(affinity, "allowed", lambda: frozenset(range(os.cpu_count())))
+    assert affinity.pinned_to() is None  # may run on every CPU of the machine
+
+
 def test_pinned_none_changes_nothing():
     before = _threads_cpus()
     with affinity.pinned(None):
@@ -77,7 +88,7 @@ def test_a_platform_that_cannot_pin_is_refused(monkeypatch):
     monkeypatch.setattr(affinity, "allowed", lambda: None)
     with pytest.raises(AffinityError, match="verifier.cpus \\[0\\]: this platform cannot pin"):
         affinity.check([0], "verifier.cpus")
-    assert affinity.running_on() is None
+    assert affinity.pinned_to() is None
 
 
 def test_two_machines_on_one_get_disjoint_halves():
