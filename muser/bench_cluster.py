@@ -112,8 +112,8 @@ def as_remote(text: str) -> str:
 
 
 def unpinned(text: str) -> str:
-    """`config init`'s cluster.toml without its `cpus` lines: the OS places each daemon."""
-    return "".join(line for line in text.splitlines(True) if not line.startswith("cpus = "))
+    """`config init`'s cluster.toml without its `cpus` settings: the OS places each daemon."""
+    return with_settings(text, {"proposer.cpus": "none", "verifier.cpus": "none"})
 
 
 SECTIONS = ("verifier", "proposer", "lane", "limits")

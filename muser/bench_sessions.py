@@ -29,8 +29,8 @@ def run_concurrent(
     """Start one generation per prompt at once; returns their samples, the wall and the CPU
     seconds each of the lane's daemons (`lane.daemons`, {role: Daemon}) spent meanwhile."""
     spent = cpu_since(getattr(lane, "daemons", {}))
-    # the whole wave on the clients' CPUs (the proposer's, `lane.cpus`), so that the runs' own pinning
-    # (each pins the process and restores it) only ever finds and restores those
+    # the whole wave on the clients' CPUs (the proposer's, `lane.cpus`), so that the runs' own
+    # pinning (each pins the process and restores it) only ever finds and restores those
     cpus = getattr(lane, "cpus", {}).get("proposer")
     with pinned(cpus, "proposer.cpus"), ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         start = time.perf_counter()
