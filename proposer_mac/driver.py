@@ -9,11 +9,14 @@ Per round (DESIGN.md §5, the proposer's steps):
   5. COMMITTED appended and fsynced; only then are the tokens handed to clients;
   6. ack, once the next request is on the wire (or the session ends).
 
-The next round does not wait for step 5: its draft overlaps COMMITTED's fsync, and its
-PREPARED is appended behind COMMITTED in the same log, which acknowledges a record only
-once every record before it is durable. So step 2 of round r+1 still finds COMMITTED of
-round r durable, and when the next draft was ready with the result the two fsyncs run
-together instead of one after the other.
+Step 5 of round r and step 2 of round r+1 are one write and one fsync: COMMITTED(r) waits
+for the next draft and goes to the log with PREPARED(r+1), in that order (with DONE when
+the session ends there). Both sit on the path from one result to the next request, where
+two appends cost two fsyncs and their thread hand-offs on the proposer's core; one costs
+one. What can be lost to a crash is unchanged: a result whose COMMITTED is not durable is
+asked for again by re-sending PREPARED(r), which the verifier answers from its WAL byte for
+byte. Clients see round r's tokens once the next draft is ready (at once when it was
+drafted ahead, which is most rounds).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -256,8 +260,9 @@ class SessionRunner:
         """The proposal of the round at the verifier (None for a round recovered from the
         journal: its decision is not followed)."""
 
-        committing: asyncio.Future | None = None
-        """The last result's COMMITTED append and what follows it (`_committed`)."""
+        checked: _Checked | None = None
+        """The last result, checked and applied, its COMMITTED not yet written: it goes to
+        the log with the next PREPARED (`_commit`)."""
         ack_due: int | None = None
         """The last committed round, acked once the next request is on the wire (its
         PREPARED came durable after COMMITTED: the ack never runs ahead of the commit)."""
@@ -289,7 +294,12 @@ class SessionRunner:
         while not s.done and not (self.cancelled and s.prepared is None):
             logs.set_round(s.session_id, s.next_round)  # log lines carry session and round
             if s.prepared is None:
-                proposal, draft_s = await (drafting or self._start_draft())
+                try:
+                    proposal, draft_s = await (drafting or self._start_draft())
+                except Exception:
+                    if checked is not None:  # the round before still becomes durable
+                        await self._commit(checked)
+                    raise
                 drafting = None
                 self.stats.draft_s += draft_s
                 remaining = s.params.max_tokens - len(s.emitted)
@@ -299,9 +309,12 @@ class SessionRunner:
                     core.private,
                     1 if proposal.drafts else s.width.decode_len(remaining),
                 )
-                await core.log.append_async(
-                    journal.encode_prepared(s.session_id, s.next_round, signed_request)
-                )
+                prepared = journal.encode_prepared(s.session_id, s.next_round, signed_request)
+                if checked is None:
+                    await core.log.append_async(prepared)
+                else:
+                    await self._commit(checked, prepared)
+                    checked = None
                 s.prepared = signed_request
                 to_speculate = in_flight = proposal
             try:
@@ -341,8 +354,6 @@ class SessionRunner:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.05
-            if committing is not None:  # the round before: durable, counted, clients told
-                await committing
             result = s.check_result(s.prepared, signed, core.verifiers)
             tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
             s.last_result = signed  # the resume point once COMMITTED is durable (awaited below)
@@ -356,50 +367,61 @@ class SessionRunner:
             )
             self.stats.width = s.width.to_dict()
             draft_s, round_start = 0.0, t1
-            # COMMITTED is not awaited here: the next draft overlaps its fsync, and so does
-            # the next PREPARED, which the log makes durable only after it (one fsync each,
-            # in flight together when the next draft was ready with this result)
-            committing = asyncio.ensure_future(
-                self._committed(result, signed, len(tokens), (t0, t1, start), raw, len(s.emitted))
-            )
+            # COMMITTED is written with the next PREPARED (module note): one fsync, not two
+            checked = _Checked(result, signed, len(tokens), (t0, t1, start), raw, len(s.emitted))
             ack_due = result.round
             if not s.done and not self.cancelled:
                 drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
             elif speculation is not None:
                 speculation.drop()
             speculation = in_flight = None
-        if committing is not None:
-            await committing
-        if ack_due is not None and stream is not None:
-            await stream.ack(ack_due)
         if not s.done:  # cancelled: the session ends at what is durable
             log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
             s.done = True
-        await core.log.append_async(journal.encode_done(s.session_id))
+        if checked is None:
+            await core.log.append_async(journal.encode_done(s.session_id))
+        else:
+            await self._commit(checked, journal.encode_done(s.session_id))
+        if ack_due is not None and stream is not None:
+            await stream.ack(ack_due)
         if stream is not None:
             stream.close()
         await core.close_remote(s)
 
-    async def _committed(
-        self, result, signed: Signed, emitted: int, times, raw, durable: int
-    ) -> None:
-        """Make the round's COMMITTED durable; only then may clients see its tokens (the
-        first `durable`: this round's and those before them)."""
-        s = self.session
-        await self.core.log.append_async(
-            journal.encode_committed(s.session_id, result.round, signed)
-        )
-        t0, t1, start = times
+    async def _commit(self, checked: _Checked, *after: bytes) -> None:
+        """Make the round's COMMITTED durable, with the records `after` it in the same write
+        (the next round's PREPARED, or DONE); only then may clients see its tokens (the
+        first `checked.durable`: this round's and those before them)."""
+        s, result, raw = self.session, checked.result, checked.raw
+        committed = journal.encode_committed(s.session_id, result.round, checked.signed)
         t2 = time.perf_counter()
-        self.durable = max(self.durable, durable)
+        await self.core.log.append_many_async([committed, *after])
+        t0, t1, start = checked.times
+        self.durable = max(self.durable, checked.durable)
         remote = raw.verify_s + raw.wal_s + raw.sign_s
         self.stats.verify_s += raw.verify_s
-        self.stats.wal_s += raw.wal_s + (t2 - t1)
+        self.stats.wal_s += raw.wal_s + (time.perf_counter() - t2)
         self.stats.sign_s += raw.sign_s
         self.stats.transport_s += max(0.0, (t1 - t0) - remote)
-        self.stats.observe_round(len(result.drafts), result.accepted, emitted)
+        self.stats.observe_round(len(result.drafts), result.accepted, checked.emitted)
         self.stats.wall_s = time.perf_counter() - start
         await self._notify()
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A round's signed result, checked and applied in memory, whose COMMITTED is still to
+    be written (`SessionRunner._commit`)."""
+
+    result: object
+    signed: Signed
+    emitted: int
+    """Tokens the round emitted (after clipping)."""
+    times: tuple[float, float, float]
+    """(request sent, result received, the session's start) on `time.perf_counter`."""
+    raw: pb.RoundResult
+    durable: int
+    """Tokens clients may see once COMMITTED is durable."""
 
 
 class DriverContext:

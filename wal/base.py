@@ -80,6 +80,10 @@ class CommitLog(Protocol):
         """As `append`, awaiting the group fsync without blocking the event loop."""
         ...
 
+    async def append_many_async(self, payloads: list[bytes]) -> list[int]:
+        """As `append_many`, awaiting the group fsync without blocking the event loop."""
+        ...
+
     def records(self, from_seq: int = 1) -> Iterator[Record]:
         """Durable records with seq >= from_seq, in order. Refuses from_seq < first_seq."""
         ...

@@ -153,13 +153,23 @@ class GroupCommit:
 
     async def submit_async(self, payload: bytes) -> int:
         """Commit one payload and await it; the event loop never waits on an fsync."""
-        waiter = _Waiter(payload, asyncio.get_running_loop())
-        role = self._enqueue(waiter)
+        return (await self.submit_many_async([payload]))[0]
+
+    async def submit_many_async(self, payloads: list[bytes]) -> list[int]:
+        """Commit payloads queued together (one batch: one write and one fsync when this
+        caller takes the writer role) and await them all; their seqs, in order. Only the
+        last one wakes the event loop: a batch is acknowledged, or fails, as a whole."""
+        if not payloads:
+            return []
+        loop = asyncio.get_running_loop()
+        waiters = [_Waiter(p, None) for p in payloads[:-1]] + [_Waiter(payloads[-1], loop)]
+        role = self._enqueue(*waiters)
         if role == "caller":  # write here, fsync in the pool
             self._lead_once(fsync=lambda batch: self._sync_pool().submit(self._finish, batch))
         elif role == "flusher":
             self._hand_to_flusher()
-        return await waiter.future
+        await waiters[-1].future
+        return [waiter.seq for waiter in waiters]
 
     # ---- the writer role ----------------------------------------------------------------
 

@@ -256,6 +256,12 @@ class FileLog:
         """Append one record; await durability without blocking the event loop."""
         return await self._group.submit_async(check_payload(payload, self.max_record_bytes))
 
+    async def append_many_async(self, payloads: list[bytes]) -> list[int]:
+        """`append_many` awaited without blocking the event loop (one write and one fsync
+        when nobody else is writing)."""
+        checked = [check_payload(p, self.max_record_bytes) for p in payloads]
+        return await self._group.submit_many_async(checked)
+
     def _write_records(self, payloads: list[bytes]) -> tuple[int, _Active]:
         """Write a batch (rolling over as needed); only the writer-role holder calls this.
         Returns the first seq and the segment whose fsync makes the batch durable."""

@@ -86,6 +86,9 @@ class MemoryLog:
     async def append_async(self, payload: bytes) -> int:
         return self.append(payload)
 
+    async def append_many_async(self, payloads: list[bytes]) -> list[int]:
+        return self.append_many(payloads)
+
     def records(self, from_seq: int = 1) -> Iterator[Record]:
         with self._lock:
             self._check_open()

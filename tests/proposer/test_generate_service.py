@@ -496,22 +496,34 @@ async def test_old_finished_sessions_are_forgotten_but_still_counted(key_set, tm
 
 
 @pytest.mark.asyncio
-async def test_commits_overlap_the_next_round_but_no_ack_runs_ahead_of_its_commit(cluster):
-    """The next round does not wait for COMMITTED: still, its PREPARED is durable only after
-    the COMMITTED before it, no ack goes before its round's COMMITTED is durable, and every
-    round is acked, after the request that follows it."""
+async def test_each_commit_shares_one_write_with_the_next_prepared_and_no_ack_runs_ahead(cluster):
+    """COMMITTED of round r goes to the log in one write with PREPARED of round r+1 (with
+    DONE after the last round), COMMITTED first; no ack goes before its round's COMMITTED is
+    durable, and every round is acked, after the request that follows it."""
     from proposer_mac import journal
     from proposer_mac.link import RoundStream
 
     core = cluster.server.core
     events: list[tuple] = []
-    append, ack, round_trip = core.log.append_async, RoundStream.ack, RoundStream.round_trip
+    writes: list[list[tuple]] = []
+    append, append_many = core.log.append_async, core.log.append_many_async
+    ack, round_trip = RoundStream.ack, RoundStream.round_trip
+
+    def describe(payload):
+        entry = journal.describe(payload)
+        return entry["entry"], entry.get("round")
 
     async def recorded_append(payload):
         seq = await append(payload)
-        entry = journal.describe(payload)
-        events.append((entry["entry"], entry.get("round")))
+        writes.append([describe(payload)])
+        events.append(describe(payload))
         return seq
+
+    async def recorded_append_many(payloads):
+        seqs = await append_many(payloads)
+        writes.append([describe(p) for p in payloads])
+        events.extend(describe(p) for p in payloads)
+        return seqs
 
     async def recorded_ack(self, round_):
         events.append(("ack", round_))
@@ -521,7 +533,7 @@ async def test_commits_overlap_the_next_round_but_no_ack_runs_ahead_of_its_commi
         events.append(("sent", None))
         return await round_trip(self, signed, *args)
 
-    core.log.append_async = recorded_append
+    core.log.append_async, core.log.append_many_async = recorded_append, recorded_append_many
     RoundStream.ack, RoundStream.round_trip = recorded_ack, recorded_round_trip
     try:
         runner = await core.start_session(PROMPT, PARAMS)
@@ -530,6 +542,12 @@ async def test_commits_overlap_the_next_round_but_no_ack_runs_ahead_of_its_commi
         RoundStream.ack, RoundStream.round_trip = ack, round_trip
     rounds = runner.stats.rounds
     assert runner.error is None and len(runner.session.emitted) == PARAMS.max_tokens
+    session = [w for w in writes if w[0][0] != "open"]  # the session's own records
+    assert session == [
+        [("prepared", 0)],
+        *([("committed", r), ("prepared", r + 1)] for r in range(rounds - 1)),
+        [("committed", rounds - 1), ("done", None)],
+    ]
 
     def at(kind, r):
         return events.index((kind, r))
@@ -538,5 +556,28 @@ async def test_commits_overlap_the_next_round_but_no_ack_runs_ahead_of_its_commi
     for r in range(rounds):
         assert at("committed", r) < at("ack", r)
         if r + 1 < rounds:
-            assert at("committed", r) < at("prepared", r + 1)
             assert at("ack", r) > [i for i, (k, _) in enumerate(events) if k == "sent"][r + 1]
+
+
+@pytest.mark.asyncio
+async def test_a_draft_that_fails_after_a_result_still_commits_that_result(cluster, monkeypatch):
+    """The round before a failed draft still becomes durable (alone: no PREPARED follows),
+    and its tokens reach clients before the session's error."""
+    from proposer_mac import journal
+    from proposer_mac.driver import SessionRunner
+
+    async def dead_draft(self, speculation, tokens):
+        raise RuntimeError("the draft backend died")
+
+    monkeypatch.setattr(SessionRunner, "_next_draft", dead_draft)
+    core = cluster.server.core
+    runner = await core.start_session(PROMPT, PARAMS)
+    await runner.task
+    assert isinstance(runner.error, RuntimeError) and "draft backend died" in str(runner.error)
+    emitted = runner.session.emitted
+    assert len(emitted) > 0 and runner.durable == len(emitted)  # round 0's tokens
+    entries = [journal.describe(r.payload) for r in core.log.records()]
+    mine = [(e["entry"], e.get("round")) for e in entries if e["entry"] != "open"]
+    assert mine == [("prepared", 0), ("committed", 0)]
+    tokens, finished = await runner.wait_tokens(0)
+    assert tokens == emitted and not finished
