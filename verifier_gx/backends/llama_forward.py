@@ -85,16 +85,18 @@ class LeanLlama:
         self.head_dim = base.layers[0].self_attn.head_dim
         self.groups = base.layers[0].self_attn.num_key_value_groups
         self.scaling = base.layers[0].self_attn.scaling
-        self.inv_freq = base.rotary_emb.inv_freq
+        self.inv_freq = base.rotary_emb.inv_freq.to(dtype=torch.float)  # as `_layers` uses it
         self.rope_scaling = base.rotary_emb.attention_scaling
 
     def _rms(self, x, weight, eps):
         torch = self._torch
         dtype = x.dtype
-        x = x.to(torch.float32)
+        wide = dtype != torch.float32  # float32 needs no cast (each `to` is a torch call)
+        if wide:
+            x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + eps)
-        return weight * x.to(dtype)
+        return weight * (x.to(dtype) if wide else x)
 
     def _rotate_half(self, x):
         half = x.shape[-1] // 2
@@ -125,9 +127,10 @@ class LeanLlama:
 
     def _layers(self, hidden, position_ids, mask, cache):
         torch, F = self._torch, self._F
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=hidden.device, dtype=torch.float
-        )
+        inv_freq = self.inv_freq
+        if inv_freq.device != hidden.device:
+            inv_freq = self.inv_freq = inv_freq.to(device=hidden.device)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(hidden.dtype).unsqueeze(1)
         sin = (emb.sin() * self.rope_scaling).to(hidden.dtype).unsqueeze(1)

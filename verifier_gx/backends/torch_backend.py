@@ -391,21 +391,24 @@ class TorchBackend:
         torch = self._torch
         seqs, ids = [seqs[i] for i in live], [ids[i] for i in live]
         counts = [len(x) for x in ids]
+        # the inputs, positions and mask are built in numpy (a few microseconds an operation
+        # on arrays this small, where each torch call costs several times that): the same
+        # integers, and the same two mask values, 0 and the dtype's lowest
         width = max(counts)
-        rows = torch.zeros((len(ids), width), dtype=torch.long)
+        rows = np.zeros((len(ids), width), dtype=np.int64)
         for i, x in enumerate(ids):
-            rows[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        lengths = torch.tensor([s.length for s in seqs])
-        steps = torch.arange(width)
-        positions = lengths[:, None] + steps[None, :]
+            rows[i, : len(x)] = x
+        lengths = np.array([s.length for s in seqs], dtype=np.int64)[:, None]
+        steps = np.arange(width)[None, :]
+        positions = lengths + steps
         # query j of row i sees keys [0, length_i + j]; padded queries repeat the last real one
-        last = lengths[:, None] + torch.minimum(steps[None, :], torch.tensor(counts)[:, None] - 1)
+        last = lengths + np.minimum(steps, np.array(counts)[:, None] - 1)
         cache = _BatchKv(seqs, counts)
-        visible = torch.arange(cache.total)[None, None, :] <= last[:, :, None]
+        visible = np.arange(cache.total)[None, None, :] <= last[:, :, None]
         dtype = self._mask_dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(
-            ~visible, torch.finfo(dtype).min
-        )
+        lowest = np.float32(torch.finfo(dtype).min)  # exact in float32 for every DTYPES
+        mask = torch.from_numpy(np.where(visible, np.float32(0), lowest)).to(dtype)
+        rows, positions = torch.from_numpy(rows), torch.from_numpy(positions)
         captured: dict[int, np.ndarray] = {}
         hooks = [self._hook(i, captured) for i in layers]
         try:
