@@ -172,10 +172,10 @@ def draft_row(logits: np.ndarray, params: SamplingParams, q_top_k: int) -> Spars
     """The draft's sparse row: target-style transform, then the q_top_k most probable tokens."""
     if q_top_k < 1:
         raise InvalidSamplingParamsError(f"q_top_k must be >= 1, got {q_top_k}")
-    p = target_probs(logits, params)
-    if params.greedy:
-        token = int(np.argmax(p))
+    if params.greedy:  # target_probs' one-hot row, without building it: its argmax
+        token = int(np.argmax(np.asarray(logits, dtype=np.float64)))
         return SparseRow(np.array([token], dtype=np.int64), np.array([1.0]))
+    p = target_probs(logits, params)
     k = min(q_top_k, int(np.count_nonzero(p)))
     ids = top_k_ids(p, k)
     return SparseRow(ids, p[ids].astype(np.float64))
