@@ -110,6 +110,7 @@ class Drafter:
         self.params = params
         self.q_top_k = q_top_k
         self._checkpoint: _Checkpoint | None = None
+        self._can_branch: bool | None = None
         """Where the cursor stood after the last non-speculative draft, while a speculation
         may have moved it."""
 
@@ -252,13 +253,18 @@ class Drafter:
 
     @property
     def can_branch(self) -> bool:
-        """Whether `branch_steps` can run here: greedy drafts on a sequence that clones."""
-        backend = self.cursor.backend
-        return (
-            self.params.greedy
-            and callable(getattr(backend, "clone", None))
-            and batches(getattr(backend, "owner", None))
-        )
+        """Whether `branch_steps` can run here: greedy drafts on a sequence that clones.
+        Asked every round, answered once: the params are fixed, and an adopted branch's
+        sequence is a clone over the same weights (`batches` checks a runtime protocol,
+        ~0.1 ms a call)."""
+        if self._can_branch is None:
+            backend = self.cursor.backend
+            self._can_branch = bool(
+                self.params.greedy
+                and callable(getattr(backend, "clone", None))
+                and batches(getattr(backend, "owner", None))
+            )
+        return self._can_branch
 
     def branch_steps(
         self,
