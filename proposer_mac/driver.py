@@ -356,7 +356,7 @@ class SessionRunner:
             backoff = 0.05
             result = s.check_result(s.prepared, signed, core.verifiers)
             tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
-            s.last_result = signed  # the resume point once COMMITTED is durable (awaited below)
+            s.last_result = signed  # the resume point once COMMITTED is durable (see _commit)
             s.width.observe(
                 len(result.drafts),
                 result.accepted,

@@ -100,6 +100,16 @@ def test_append_many_is_one_write_and_one_fsync_when_nobody_else_writes(tmp_path
         assert log.last_seq == 6
 
 
+def test_append_many_async_is_one_write_and_one_fsync_when_nobody_else_writes(
+    tmp_path, monkeypatch
+):
+    with FileLog(tmp_path) as log:
+        fsyncs = GatedFsync(monkeypatch)
+        assert asyncio.run(log.append_many_async([b"committed", b"prepared"])) == [1, 2]
+        assert len(fsyncs.calls) == 1 and log._group.batches == 1
+        assert fsyncs.calls[0] == (tmp_path / "seg-00000000000000000001.wal").stat().st_size
+
+
 def test_a_lone_append_async_writes_in_its_loop_and_fsyncs_in_the_pool(tmp_path, monkeypatch):
     """No flusher thread for a lone asyncio appender: the write is made in the event loop's
     thread, the fsync in another, and the append returns after that fsync."""
@@ -263,6 +273,15 @@ def test_a_failed_fsync_fails_the_async_waiters_too(tmp_path, monkeypatch):
 
         results = asyncio.run(main())
         assert [type(r) for r in results] == [WalIOError] * 3
+
+
+def test_a_failed_fsync_fails_an_append_many_async(tmp_path, monkeypatch):
+    with FileLog(tmp_path) as log:
+        failing_fsync(monkeypatch)
+        with pytest.raises(WalIOError):
+            asyncio.run(log.append_many_async([b"committed", b"prepared"]))
+        with pytest.raises(WalIOError):  # the log refuses appends until it is reopened
+            log.append(b"after")
 
 
 def test_a_failed_write_poisons_the_log_and_open_truncates_the_partial_record(

@@ -117,6 +117,33 @@ def test_append_async_from_many_tasks_numbers_every_record_once(log_env):
     assert {seq: stored[seq] for seq in seqs} == dict(zip(seqs, payloads, strict=True))
 
 
+def test_append_many_async_numbers_its_records_consecutively_among_other_tasks(log_env):
+    log = log_env.open()
+
+    async def main():
+        return await asyncio.gather(
+            log.append_async(b"alone"),
+            log.append_many_async([b"c0", b"p1"]),
+            log.append_many_async([b"c1", b"p2", b"d"]),
+            log.append_many_async([]),
+        )
+
+    alone, pair, triple, none = asyncio.run(main())
+    assert none == []
+    assert pair[1] == pair[0] + 1 and triple == [triple[0], triple[0] + 1, triple[0] + 2]
+    assert sorted([alone, *pair, *triple]) == list(range(1, 7))
+    stored = {r.seq: r.payload for r in log.records()}
+    assert [stored[s] for s in pair] == [b"c0", b"p1"]
+    assert [stored[s] for s in triple] == [b"c1", b"p2", b"d"]
+
+
+def test_append_many_async_refuses_an_oversized_record_and_writes_none(log_env):
+    log = log_env.open(max_record_bytes=10)
+    with pytest.raises(WalUsageError):
+        asyncio.run(log.append_many_async([b"ok", b"x" * 11]))
+    assert log.last_seq == 0 and list(log.records()) == []
+
+
 def test_threads_appending_concurrently_get_unique_contiguous_seqs(log_env):
     log = log_env.open()
     results: dict[int, bytes] = {}
