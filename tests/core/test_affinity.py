@@ -18,7 +18,15 @@ linux = pytest.mark.skipif(
 
 
 def _threads_cpus() -> dict[int, frozenset[int]]:
-    return {int(t): frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+    """Each live thread's CPUs; a thread that ends between the listing and the query (a
+    thread just joined, another test's pool winding down) is left out."""
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out[int(t)] = frozenset(os.sched_getaffinity(int(t)))
+        except ProcessLookupError:
+            continue
+    return out
 
 
 class _Idle(threading.Thread):
