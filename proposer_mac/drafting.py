@@ -110,9 +110,9 @@ class Drafter:
         self.params = params
         self.q_top_k = q_top_k
         self._checkpoint: _Checkpoint | None = None
-        self._can_branch: bool | None = None
         """Where the cursor stood after the last non-speculative draft, while a speculation
         may have moved it."""
+        self._can_branch: bool | None = None  # `can_branch`, once asked
 
     def draft(
         self,
