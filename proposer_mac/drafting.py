@@ -41,6 +41,7 @@ and the verifier judges against those.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -439,17 +440,12 @@ class _Unchosen:
         return self.stop.is_set() or (bool(self.chosen) and self.chosen[0] != self.emitted)
 
 
-_UNDRAWN: Mt19937 | None = None
-
-
+@functools.cache
 def _no_draws() -> Mt19937:
     """A state for drafts that draw nothing (greedy), made once: seeding one runs the
     reference initialisation in Python, a few hundred microseconds each round otherwise.
     Every draft drafts from a copy (`_draft`), so the one state is never advanced."""
-    global _UNDRAWN
-    if _UNDRAWN is None:
-        _UNDRAWN = Mt19937.from_seed(0)
-    return _UNDRAWN
+    return Mt19937.from_seed(0)
 
 
 def runner_up(row: np.ndarray, token: int) -> int:
