@@ -238,6 +238,8 @@ class TorchBackend:
         self._torch = torch
         self._model = self._load(path, rope_theta, getattr(torch, dtype))
         self._mask_dtype = self._model.dtype  # read once: the property walks every parameter
+        # the additive mask's value for a hidden key, exact in float32 for every DTYPES
+        self._mask_lowest = np.float32(torch.finfo(self._mask_dtype).min)
         # transformers 5.2x renamed `past_key_values` to `cache`; older 5.x only knows the first.
         params = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -405,9 +407,8 @@ class TorchBackend:
         last = lengths + np.minimum(steps, np.array(counts)[:, None] - 1)
         cache = _BatchKv(seqs, counts)
         visible = np.arange(cache.total)[None, None, :] <= last[:, :, None]
-        dtype = self._mask_dtype
-        lowest = np.float32(torch.finfo(dtype).min)  # exact in float32 for every DTYPES
-        mask = torch.from_numpy(np.where(visible, np.float32(0), lowest)).to(dtype)
+        mask = np.where(visible, np.float32(0), self._mask_lowest)
+        mask = torch.from_numpy(mask).to(self._mask_dtype)
         rows, positions = torch.from_numpy(rows), torch.from_numpy(positions)
         captured: dict[int, np.ndarray] = {}
         hooks = [self._hook(i, captured) for i in layers]
