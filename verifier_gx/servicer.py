@@ -11,6 +11,9 @@ Rounds: the first message must be Attach{session_id, epoch}. Then
                   hint), capture Fragments (if any), then one RoundResult; or one RoundError
   Fragment     -> staged (duplicates and reordering absorbed); a hash mismatch -> RoundError
   Ack          -> releases the fragments staged for rounds <= that round
+  Lookahead    -> never answered: may evaluate the round it names before its request
+The stream is read while a round is in progress: a Lookahead starts when it arrives (it may
+run the moment the round in progress commits); the other messages are handled in order.
 """
 
 from __future__ import annotations
@@ -120,6 +123,12 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
 }
 
 
+INBOX = 64
+"""Messages of one Rounds stream read ahead of the round in progress (`_read`)."""
+HINTS = 8
+"""Lookahead hints of one Rounds stream waiting at once; more are dropped (hints only)."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and reason of the most specific class in the table."""
     for cls in type(exc).__mro__:
@@ -199,45 +208,81 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     # ---- the round stream -----------------------------------------------------------------
 
     async def Rounds(self, request_iterator, context) -> AsyncIterator[pb.VerifierMessage]:
-        session_id: bytes | None = None
-        async for msg in request_iterator:
-            kind = msg.WhichOneof("kind")
-            if session_id is None:
-                try:
-                    if kind != "attach":
-                        raise NotAttachedError(
-                            f"the first message of a Rounds stream must be Attach, got {kind}"
-                        )
-                    self.manager.attach(msg.attach.session_id, msg.attach.epoch)
-                except MuserError as exc:
-                    await self._abort(context, exc, f"attach {msg.attach.session_id.hex()[:8]}")
-                session_id = msg.attach.session_id
-                continue
-            if kind == "request":
-                async for out in self._round_messages(session_id, msg.request):
-                    yield out
-            elif kind == "fragment":
-                error = self._fragment(session_id, msg.fragment)
-                if error is not None:
-                    yield error
-            elif kind == "lookahead":  # a hint: it runs beside the stream, never answered
-                ahead = msg.lookahead
-                hint = self.manager.look_ahead(
-                    session_id, ahead.round, list(ahead.after), list(ahead.drafts)
+        messages = aiter(request_iterator)
+        try:
+            msg = await anext(messages)
+        except StopAsyncIteration:
+            return
+        kind = msg.WhichOneof("kind")
+        try:
+            if kind != "attach":
+                raise NotAttachedError(
+                    f"the first message of a Rounds stream must be Attach, got {kind}"
                 )
-                in_background(hint, "a lookahead", log)
-            elif kind == "ack":
-                if msg.ack.session_id == session_id:
-                    self.manager.ack(session_id, msg.ack.round)
-                else:
-                    exc = NotAttachedError(
-                        f"ack for session {msg.ack.session_id.hex()}; this stream is attached "
-                        f"to {session_id.hex()}"
+            self.manager.attach(msg.attach.session_id, msg.attach.epoch)
+        except MuserError as exc:
+            await self._abort(context, exc, f"attach {msg.attach.session_id.hex()[:8]}")
+        session_id = msg.attach.session_id
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=INBOX)
+        reader = asyncio.ensure_future(self._read(session_id, messages, inbox))
+        try:
+            while (msg := await inbox.get()) is not None:
+                if isinstance(msg, BaseException):  # the request stream failed
+                    raise msg
+                for out in self._in_order(session_id, msg):
+                    if isinstance(out, pb.VerifierMessage):
+                        yield out
+                    else:  # a round: its messages as they come
+                        async for m in out:
+                            yield m
+        finally:
+            reader.cancel()
+
+    async def _read(self, session_id: bytes, messages, inbox: asyncio.Queue) -> None:
+        """Read the stream while a round is in progress: a Lookahead hint starts at once (it
+        waits for the round in progress and may run the moment that round commits, not after
+        its result is out); every other message goes to `inbox` in order (a bounded queue: a
+        client that sends faster than rounds run waits, as it did on the stream). None ends
+        the inbox; an exception of the stream is put there to be raised."""
+        hints: set[asyncio.Future] = set()
+        try:
+            async for msg in messages:
+                if msg.WhichOneof("kind") != "lookahead":
+                    await inbox.put(msg)
+                elif len(hints) < HINTS:  # a hint is never answered, and one too many is dropped
+                    ahead = msg.lookahead
+                    hint = self.manager.look_ahead(
+                        session_id, ahead.round, list(ahead.after), list(ahead.drafts)
                     )
-                    yield self._error(msg.ack.round, exc, "ack")
+                    task = in_background(hint, "a lookahead", log)
+                    hints.add(task)
+                    task.add_done_callback(hints.discard)
+        except Exception as exc:
+            await inbox.put(exc)
+        await inbox.put(None)
+
+    def _in_order(self, session_id: bytes, msg: pb.ProposerMessage):
+        """What a message of the attached stream is answered with: messages to send, or for a
+        request the async iterator of its round's messages."""
+        kind = msg.WhichOneof("kind")
+        if kind == "request":
+            yield self._round_messages(session_id, msg.request)
+        elif kind == "fragment":
+            error = self._fragment(session_id, msg.fragment)
+            if error is not None:
+                yield error
+        elif kind == "ack":
+            if msg.ack.session_id == session_id:
+                self.manager.ack(session_id, msg.ack.round)
             else:
-                exc = NotAttachedError(f"{kind} after Attach; this stream is already attached")
-                yield self._error(0, exc, f"session {short(session_id)}")
+                exc = NotAttachedError(
+                    f"ack for session {msg.ack.session_id.hex()}; this stream is attached "
+                    f"to {session_id.hex()}"
+                )
+                yield self._error(msg.ack.round, exc, "ack")
+        else:
+            exc = NotAttachedError(f"{kind} after Attach; this stream is already attached")
+            yield self._error(0, exc, f"session {short(session_id)}")
 
     def _error(self, round_: int, exc: BaseException, where: str) -> pb.VerifierMessage:
         code, reason = self._refused(exc, where)

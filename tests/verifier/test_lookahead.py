@@ -8,12 +8,14 @@ without one, a contradicted lookahead is a forward as ever, and a lookahead neve
 a KV. Verifier level over loopback (the fake target, one shared KV): sessions emit the local
 lane's tokens with a lookahead on every round, a wrong one changes nothing, one that does
 not name the next round after what the round before emitted is ignored, the stream's
-Lookahead serves the request after it, and of the guesses sent behind a request only the
-one that held runs.
+Lookahead serves the request after it, of the guesses sent behind a request only the one
+that held runs, the stream is read while a round is in progress (a hint starts then), hints
+beyond a bound are dropped, and a stream that fails ends the round loop with its error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -26,6 +28,7 @@ from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import PROMPT
 from verifier_gx.executor import TargetExecutor, witness_batch
+from verifier_gx.servicer import HINTS, VerifierServicer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=30, seed=5)
@@ -247,6 +250,105 @@ async def test_the_stream_lookahead_serves_the_request_after_it(verifier):
     stats = verifier.manager.stats
     assert stats.lookaheads == stats.lookahead_hits == 1
     assert status_json(verifier.manager)["lookahead"]["hits"] == 1
+
+
+async def gated_session(verifier):
+    client = verifier.client(GREEDY, draft_len=3, q_top_k=5)
+    await client.open_session()
+    return client, await client.attach()
+
+
+async def read_result(client, stream, request) -> None:
+    while (msg := await stream.read()).WhichOneof("kind") != "result":
+        assert msg.WhichOneof("kind") == "decision"
+    client.accept(request, msg)
+
+
+@pytest.mark.asyncio
+async def test_a_hint_is_read_while_the_round_before_it_is_in_progress(verifier, monkeypatch):
+    """A round that cannot finish before the hint sent behind it is read finishes: the
+    stream is read beside the round in progress (read one message at a time, the hint would
+    wait for the round's result and the round for the hint)."""
+    manager = verifier.manager
+    hinted = asyncio.Event()
+    real_look_ahead, real_run_round = manager.look_ahead, manager.run_round
+
+    async def look_ahead(*args):
+        hinted.set()
+        return await real_look_ahead(*args)
+
+    async def run_round(signed, on_decided=None):
+        await asyncio.wait_for(hinted.wait(), 10)
+        return await real_run_round(signed, on_decided)
+
+    monkeypatch.setattr(manager, "look_ahead", look_ahead)
+    monkeypatch.setattr(manager, "run_round", run_round)
+    client, stream = await gated_session(verifier)
+    request = client.draft_request()
+    await stream.send(request=client.sign(request))
+    await stream.send(lookahead=pb.Lookahead(round=1, after=[1], drafts=[2]))
+    await read_result(client, stream, request)
+    await stream.close()
+    assert hinted.is_set() and client.out
+
+
+@pytest.mark.asyncio
+async def test_hints_beyond_the_bound_are_dropped_not_queued(verifier, monkeypatch):
+    manager = verifier.manager
+    calls, counted, release = [], [], asyncio.Event()
+    real_run_round = manager.run_round
+
+    async def look_ahead(*args):  # a hint that waits, as one does behind a long round
+        calls.append(args)
+        await release.wait()
+        return False
+
+    async def run_round(signed, on_decided=None):  # the hints before it were all read
+        counted.append(len(calls))
+        release.set()
+        return await real_run_round(signed, on_decided)
+
+    monkeypatch.setattr(manager, "look_ahead", look_ahead)
+    monkeypatch.setattr(manager, "run_round", run_round)
+    client, stream = await gated_session(verifier)
+    for sent in (3 * HINTS, 1):  # the second after the first ones ended: taken again
+        request = client.draft_request()
+        for _ in range(sent):
+            hint = pb.Lookahead(round=request.round + 1, after=[1], drafts=[2])
+            await stream.send(lookahead=hint)
+        await stream.send(request=client.sign(request))
+        await read_result(client, stream, request)
+    await stream.close()
+    assert counted == [HINTS, HINTS + 1]
+
+
+class _Manager:
+    """What `VerifierServicer.Rounds` asks of a manager before a round, recorded."""
+
+    def __init__(self) -> None:
+        self.acked: list[int] = []
+
+    def attach(self, session_id: bytes, epoch: int) -> None:
+        pass
+
+    def ack(self, session_id: bytes, round_: int) -> None:
+        self.acked.append(round_)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_fails_ends_the_round_loop_with_its_error():
+    sid = b"\x01" * 16
+
+    async def messages():
+        yield pb.ProposerMessage(attach=pb.Attach(session_id=sid, epoch=1))
+        yield pb.ProposerMessage(ack=pb.Ack(session_id=sid, round=3))
+        raise ConnectionResetError("the stream broke")
+
+    manager = _Manager()
+    with pytest.raises(ConnectionResetError, match="the stream broke"):
+        async for _ in VerifierServicer(manager).Rounds(messages(), None):
+            pass
+    assert manager.acked == [3]  # what came before the failure was handled, in order
 
 
 def test_a_lookahead_never_rebuilds_a_kv(torch_target, forwards):
