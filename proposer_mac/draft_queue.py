@@ -73,13 +73,7 @@ class DraftQueue:
         taken = len(jobs)
         jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
         self._done(taken - len(jobs))  # cancelled while waiting
-        first: list[_Job] = []
-        later: list[_Job] = []  # a session's second job (a draft on a decision, after the
-        for job in jobs:  # speculation it replaces) runs after its first, never beside it
-            (later if any(j.drafter is job.drafter for j in first) else first).append(job)
-        together = self.batch_with is not None and len(first) > 1
-        groups = [first] if together else [[j] for j in first]
-        for group in groups + [[j] for j in later]:
+        for group in self._groups(jobs):
             t0 = time.perf_counter()
             if len(group) > 1:
                 work = [(j.drafter.cursor, j.steps) for j in group]
@@ -94,6 +88,22 @@ class DraftQueue:
                     job.future.set_exception(result)
                 else:
                     job.future.set_result((result, seconds))
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """The order `jobs` run in: layer k holds each session's k-th job (a draft on a
+        decision comes after the speculation it replaces, never beside it: they share a
+        cursor), and a layer of two or more runs as one group when sessions draft
+        together."""
+        layers: list[list[_Job]] = []
+        for job in jobs:
+            layer = next((x for x in layers if all(j.drafter is not job.drafter for j in x)), None)
+            if layer is None:
+                layers.append([job])
+            else:
+                layer.append(job)
+        if self.batch_with is None:
+            return [[j] for layer in layers for j in layer]
+        return layers
 
 
 def _run_alone(job: _Job) -> object:

@@ -251,7 +251,8 @@ async def test_a_failing_session_in_a_batch_fails_alone(key_set, tmp_path):
 @pytest.mark.asyncio
 async def test_a_sessions_second_job_runs_after_its_first_never_beside_it(monkeypatch):
     """A draft on the verifier's decision may be submitted while the speculation it replaces
-    still waits: the two share one cursor, so they run one after the other."""
+    still waits: the two share one cursor, so they run one after the other; the second jobs
+    of several sessions run together."""
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
@@ -272,13 +273,29 @@ async def test_a_sessions_second_job_runs_after_its_first_never_beside_it(monkey
         return [s for _, s in work]
 
     monkeypatch.setattr(draft_queue, "run_together", together)
-    a, b = Lone("a"), Lone("b")
-    pool, gate = ThreadPoolExecutor(max_workers=1), threading.Event()
-    pool.submit(gate.wait)  # the draft thread is busy: the three jobs wait together
-    queue = draft_queue.DraftQueue(pool, batch_with=object())
-    futures = [queue.submit(a, "spec"), queue.submit(b, "draft"), queue.submit(a, "follow")]
-    gate.set()
-    results = [r for r, _ in await asyncio.gather(*futures)]
-    assert results == ["spec", "draft", "follow"]
-    assert order == ["a:spec+b:draft", "a:follow alone"]
+    a, b, c = Lone("a"), Lone("b"), Lone("c")
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    async def drain(batch_with, jobs) -> list[str]:
+        gate = threading.Event()
+        pool.submit(gate.wait)  # the draft thread is busy: the jobs wait together
+        queue = draft_queue.DraftQueue(pool, batch_with=batch_with)
+        futures = [queue.submit(drafter, steps) for drafter, steps in jobs]
+        gate.set()
+        results = [r for r, _ in await asyncio.gather(*futures)]
+        assert results == [steps for _, steps in jobs]
+        ran, order[:] = list(order), []
+        return ran
+
+    jobs = [(a, "spec"), (b, "draft"), (a, "follow")]
+    assert await drain(object(), jobs) == ["a:spec+b:draft", "a:follow alone"]
+    # the second jobs of several sessions are drafted together too, after every first one
+    jobs = [(a, "spec"), (b, "spec"), (a, "follow"), (c, "draft"), (b, "follow"), (a, "again")]
+    assert await drain(object(), jobs) == [
+        "a:spec+b:spec+c:draft", "a:follow+b:follow", "a:again alone"
+    ]  # fmt: skip
+    assert await drain(None, jobs) == [  # lane.draft_batch off: each alone, in that order
+        "a:spec alone", "b:spec alone", "c:draft alone", "a:follow alone", "b:follow alone",
+        "a:again alone",
+    ]  # fmt: skip
     pool.shutdown()
