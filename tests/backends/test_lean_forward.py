@@ -71,6 +71,26 @@ def test_batched_rows_are_the_transformers_rows_bit_for_bit(checkpoint, arch) ->
             assert x.shape == y.shape and np.array_equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_draft_step_takes_the_ragged_batch_inputs_by_a_shorter_way(checkpoint, dtype) -> None:
+    """One token of one sequence (every draft step) gets its rows, positions and mask from
+    three torch calls: the very tensors the ragged path builds, so the very rows."""
+    import torch
+
+    short, ragged = (build_backend("torch", checkpoint("llama"), dtype=dtype) for _ in range(2))
+    ragged._inputs = ragged._ragged_inputs  # every batch the long way
+    a, b = short.sequence(), ragged.sequence()
+    for seq in (a, b):
+        seq.evaluate(PROMPT[:5])
+    for t in PROMPT[5:12]:
+        total = a.length + 1
+        got = short._inputs([a], [[t]], [1], total)
+        want = short._ragged_inputs([a], [[t]], [1], total)
+        for x, y in zip(got, want, strict=True):
+            assert (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(x, y)
+        assert np.array_equal(a.evaluate([t]), b.evaluate([t]))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_weights_are_bit_equal_too(checkpoint, dtype) -> None:
     lean, plain = _pair(checkpoint("qwen3"), dtype=dtype)

@@ -393,23 +393,8 @@ class TorchBackend:
         torch = self._torch
         seqs, ids = [seqs[i] for i in live], [ids[i] for i in live]
         counts = [len(x) for x in ids]
-        # the inputs, positions and mask are built in numpy (a few microseconds an operation
-        # on arrays this small, where each torch call costs several times that): the same
-        # integers, and the same two mask values, 0 and the dtype's lowest
-        width = max(counts)
-        rows = np.zeros((len(ids), width), dtype=np.int64)
-        for i, x in enumerate(ids):
-            rows[i, : len(x)] = x
-        lengths = np.array([s.length for s in seqs], dtype=np.int64)[:, None]
-        steps = np.arange(width)[None, :]
-        positions = lengths + steps
-        # query j of row i sees keys [0, length_i + j]; padded queries repeat the last real one
-        last = lengths + np.minimum(steps, np.array(counts)[:, None] - 1)
         cache = _BatchKv(seqs, counts)
-        visible = np.arange(cache.total)[None, None, :] <= last[:, :, None]
-        mask = np.where(visible, np.float32(0), self._mask_lowest)
-        mask = torch.from_numpy(mask).to(self._mask_dtype)
-        rows, positions = torch.from_numpy(rows), torch.from_numpy(positions)
+        rows, positions, mask = self._inputs(seqs, ids, counts, cache.total)
         captured: dict[int, np.ndarray] = {}
         hooks = [self._hook(i, captured) for i in layers]
         try:
@@ -437,6 +422,39 @@ class TorchBackend:
         for layer in captured:
             captured[layer] = captured[layer][: counts[0]]
         return out, captured
+
+    def _inputs(self, seqs: list[TorchSequence], ids: list[list[int]], counts: list[int],
+                total: int):  # fmt: skip
+        """The token rows (B, W), positions (B, W) and additive mask (B, W, total) of a batch:
+        query j of row i sees keys [0, length_i + j] (mask 0, else the dtype's lowest);
+        padded queries repeat the last real one. Built in numpy (a few microseconds an
+        operation on arrays this small, where each torch call costs several times that); one
+        token of one sequence, a draft step, takes three torch calls to the same tensors."""
+        torch = self._torch
+        if counts == [1]:  # one query: it sees every key
+            return (
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor([[seqs[0].length]], dtype=torch.int64),
+                torch.zeros((1, 1, total), dtype=self._mask_dtype),
+            )
+        return self._ragged_inputs(seqs, ids, counts, total)
+
+    def _ragged_inputs(self, seqs: list[TorchSequence], ids: list[list[int]],
+                       counts: list[int], total: int):  # fmt: skip
+        """`_inputs` for any batch."""
+        torch = self._torch
+        width = max(counts)
+        rows = np.zeros((len(ids), width), dtype=np.int64)
+        for i, x in enumerate(ids):
+            rows[i, : len(x)] = x
+        lengths = np.array([s.length for s in seqs], dtype=np.int64)[:, None]
+        steps = np.arange(width)[None, :]
+        positions = lengths + steps
+        last = lengths + np.minimum(steps, np.array(counts)[:, None] - 1)
+        visible = np.arange(total)[None, None, :] <= last[:, :, None]
+        mask = np.where(visible, np.float32(0), self._mask_lowest)
+        mask = torch.from_numpy(mask).to(self._mask_dtype)
+        return torch.from_numpy(rows), torch.from_numpy(positions), mask
 
     def _decoder_layers(self):
         base = getattr(self._model, self._model.base_model_prefix, self._model)
