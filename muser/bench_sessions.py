@@ -8,6 +8,11 @@ the last finish. Repeats interleave the values of N (so drift hits them alike); 
 over repeats is reported with its spread and the ratio to N = 1 (or the smallest N). Every
 generation is a sample in the receipt (SHA-256 over the samples, `muser.benchmark`); at
 temperature 0 each one is checked against plain target decode of its prompt.
+
+Variants (`--cluster-variant NAME: SETTINGS`): a second cluster with those settings runs
+the same waves, each of its waves right beside the base cluster's wave of the same N and
+repeat (their order alternating), so that its paired ratio (the median over repeats of
+variant rate / base rate) compares the two through the same phase of the machine.
 """
 
 from __future__ import annotations
@@ -44,6 +49,17 @@ def run_concurrent(
     return samples, wall, cpu
 
 
+def label(n: int, variant: str = "") -> str:
+    """A wave's lane: "sessions=N", or "sessions=N[NAME]" on a variant's cluster."""
+    return f"sessions={n}[{variant}]" if variant else f"sessions={n}"
+
+
+def parse_label(text: str) -> tuple[int, str]:
+    """(N, variant name or "") of a `label`."""
+    n, _, rest = text.removeprefix("sessions=").partition("[")
+    return int(n), rest.removesuffix("]")
+
+
 def run_sessions_bench(
     lane: LaneFn,
     prompts: list[list[int]],
@@ -51,57 +67,73 @@ def run_sessions_bench(
     max_tokens: int,
     repeats: int,
     progress: bool = True,
-) -> tuple[list[Sample], dict[int, list[float]]]:
-    """Samples of every generation, and per N the rate (tokens/s) of each repeat; when
-    interrupted (Ctrl-C, or SIGTERM under `muser bench`), those of the runs done so far."""
+    variants: dict[str, LaneFn] | None = None,
+) -> tuple[list[Sample], dict[str, list[float]]]:
+    """Samples of every generation, and per wave lane (`label`) the rate (tokens/s) of each
+    repeat; each of `variants` (name: its cluster's lane) runs every wave beside `lane`'s.
+    When interrupted (Ctrl-C, or SIGTERM under `muser bench`), those of the runs done."""
     from tqdm import tqdm
 
     if max(sessions) > len(prompts):
         raise ValueError(f"{max(sessions)} sessions need as many prompts, got {len(prompts)}")
-    lane(prompts[0][:8], 4)  # warm-up: first-call allocation and lazy init stay out
+    clusters = {"": lane, **(variants or {})}
+    for fn in clusters.values():
+        fn(prompts[0][:8], 4)  # warm-up: first-call allocation and lazy init stay out
     samples: list[Sample] = []
-    rates: dict[int, list[float]] = {n: [] for n in sessions}
-    total = repeats * len(sessions)
+    rates: dict[str, list[float]] = {label(n, v): [] for v in clusters for n in sessions}
+    total = repeats * len(sessions) * len(clusters)
     with tqdm(total=total, desc="sessions", disable=not progress) as bar:
         try:
             for repeat in range(repeats):
                 order = sessions if repeat % 2 == 0 else list(reversed(sessions))
-                for n in order:
-                    got, wall, cpu = run_concurrent(lane, prompts[:n], max_tokens)
-                    wave = {"run_wall": wall, **{f"run_cpu_{r}": v for r, v in cpu.items()}}
-                    for s in got:
-                        s.lane, s.repeat = f"sessions={n}", repeat
-                        s.split_s = {**s.split_s, **wave}  # the wave's, on each of its runs
-                    samples += got
-                    rates[n].append(sum(len(s.tokens) for s in got) / wall)
-                    bar.update()
+                for i, n in enumerate(order):
+                    names = list(clusters)
+                    for name in names if (repeat + i) % 2 == 0 else reversed(names):
+                        got, wall, cpu = run_concurrent(clusters[name], prompts[:n], max_tokens)
+                        wave = {"run_wall": wall, **{f"run_cpu_{r}": v for r, v in cpu.items()}}
+                        for s in got:
+                            s.lane, s.repeat = label(n, name), repeat
+                            s.split_s = {**s.split_s, **wave}  # the wave's, on each of its runs
+                        samples += got
+                        rates[label(n, name)].append(sum(len(s.tokens) for s in got) / wall)
+                        bar.update()
         except KeyboardInterrupt:
             bar.write(f"sessions: interrupted after {bar.n} of {total} runs")
-    return samples, {n: r for n, r in rates.items() if r}
+    return samples, {k: r for k, r in rates.items() if r}
 
 
 def summarise_sessions(
-    rates: dict[int, list[float]], samples: list[Sample], oracle: dict[int, list[int]] | None
+    rates: dict[str, list[float]], samples: list[Sample], oracle: dict[int, list[int]] | None
 ) -> dict[str, dict]:
-    base_n = min(rates)
-    base = statistics.median(rates[base_n])
+    """A row per wave lane (`label`): its median rate and spread, the ratio to its own
+    cluster's smallest N, and on a variant's rows `ratio_to_base`, the median over repeats
+    of its rate over the base cluster's at the same N (the paired comparison)."""
+    keys = sorted(rates, key=lambda k: parse_label(k)[::-1])  # base first, then by N
+    base_n = min(parse_label(k)[0] for k in keys)
     out: dict[str, dict] = {}
-    for n, rs in sorted(rates.items()):
-        mine = [s for s in samples if s.lane == f"sessions={n}"]
+    for key in keys:
+        n, variant = parse_label(key)
+        rs = rates[key]
+        ref = rates.get(label(base_n, variant))
+        mine = [s for s in samples if s.lane == key]
         drafted = sum(s.drafted for s in mine)
         row = {
             "sessions": n,
+            "variant": variant or None,
             "tokens_per_s": statistics.median(rs),
             "spread": [min(rs), max(rs)],
-            f"ratio_to_{base_n}": statistics.median(rs) / base,
+            f"ratio_to_{base_n}": statistics.median(rs) / statistics.median(ref) if ref else None,
             "per_session_tokens_per_s": statistics.median(rs) / n,
             "acceptance": sum(s.accepted for s in mine) / drafted if drafted else None,
         }
+        if variant and (base := rates.get(label(n))):
+            pairs = list(zip(rs, base, strict=False))
+            row["ratio_to_base"] = statistics.median(v / b for v, b in pairs)
         row["cpu_ms_per_session_round"] = _cpu_per_round(mine)
         if oracle is not None:
             same = [s.tokens == oracle[s.prompt] for s in mine]
             row["greedy_match_plain"] = f"{sum(same)}/{len(same)}"
-        out[f"sessions={n}"] = row
+        out[key] = row
     return out
 
 
@@ -121,18 +153,24 @@ def _cpu_per_round(samples: list[Sample]) -> dict[str, float]:
 
 
 def format_sessions(summary: dict[str, dict]) -> str:
-    base = next(k for k in next(iter(summary.values())) if k.startswith("ratio_to_"))
+    base = next(k for k in next(iter(summary.values())) if k.startswith("ratio_to_") and
+                k != "ratio_to_base")  # fmt: skip
+    paired = any("ratio_to_base" in r for r in summary.values())
     lines = [f"{'sessions':>8} {'tok/s':>8} {'spread':>13} {'×' + base[9:]:>6} {'tok/s/sess':>10} "
-             f"{'accept':>7} {'=plain':>7}  CPU ms per session-round"]  # fmt: skip
+             f"{'accept':>7} {'=plain':>7}{'  ×base' if paired else ''}  "
+             "CPU ms per session-round"]  # fmt: skip
     for r in summary.values():
         lo, hi = r["spread"]
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
+        ratio = f"{r[base]:.2f}" if r[base] is not None else "-"
         cpu = r.get("cpu_ms_per_session_round") or {}
         cpu_s = "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) or "-"
+        name = f"{r['sessions']}[{r['variant']}]" if r.get("variant") else str(r["sessions"])
+        vs = f"{r['ratio_to_base']:.2f}" if "ratio_to_base" in r else "-"
         lines.append(
-            f"{r['sessions']:>8} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
-            f"{r[base]:>6.2f} {r['per_session_tokens_per_s']:>10.1f} {acc:>7} "
-            f"{r.get('greedy_match_plain', '-'):>7}  {cpu_s}"
+            f"{name:>8} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
+            f"{ratio:>6} {r['per_session_tokens_per_s']:>10.1f} {acc:>7} "
+            f"{r.get('greedy_match_plain', '-'):>7}{f'  {vs:>5}' if paired else ''}  {cpu_s}"
         )
     return "\n".join(lines)
 

@@ -80,7 +80,9 @@ def register(sub, name: str, help_text: str) -> None:
         default=[],
         metavar="'NAME: SECTION.KEY=VALUE ...'",
         help="also run the cluster lanes on a second cluster with these settings, interleaved "
-        "with the rest (lanes cluster@Xms[NAME]); VALUE is TOML without spaces, or none to "
+        "with the rest (lanes cluster@Xms[NAME]; --suite sessions: waves sessions=N[NAME], each "
+        "beside the base cluster's, with their paired ratio ×base); VALUE is TOML without "
+        "spaces, or none to "
         "remove the key, e.g. 'b2: lane.speculate_branches=2' or 'nopin: proposer.cpus=none "
         "verifier.cpus=none'; repeatable",
     )
@@ -94,12 +96,12 @@ def register(sub, name: str, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.cluster_variant and args.suite != "lanes":
+    if args.cluster_variant and args.suite == "wal":
         from muser.errors import RefusedError
 
         raise RefusedError(
-            f"--cluster-variant runs beside the lanes suite's cluster lanes; --suite "
-            f"{args.suite} has none to compare with (run --suite lanes)"
+            "--cluster-variant runs beside the cluster lanes of --suite lanes or sessions; "
+            "--suite wal has none to compare with"
         )
     if args.suite == "wal":
         return _run_wal(args)
@@ -298,6 +300,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
     if not sessions or sessions[0] < 1:
         print(f"--sessions {args.sessions!r}: expected counts >= 1, e.g. 1,8", file=sys.stderr)
         return 2
+    variants = _variants(args.cluster_variant, [0.0])
     pair = build_fixtures(progress=not args.json).natural
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
     prompts = [encode_prompt(tokenizer, t) for t in natural_prompts(max(sessions))]
@@ -306,26 +309,36 @@ def _run_sessions(args: argparse.Namespace) -> int:
     if params.greedy:
         oracle = oracle_tokens(pair.target, prompts, params, args.max_tokens, args.target_device)
     draft_range = _draft_range(args)
-    with cluster_lanes(
-        pair.target,
-        pair.draft,
-        params,
-        draft_len=args.draft_len,
-        delays_ms=[0.0],
-        draft_range=draft_range,
-        target_device=args.target_device,
-        pin=not args.no_pin,
-    ) as lanes:
-        cpus = _cpus(lanes)
+    lane = "cluster@0ms-adaptive" if draft_range else "cluster@0ms"
+    with contextlib.ExitStack() as stack:
+        clusters = {
+            name: stack.enter_context(
+                cluster_lanes(
+                    pair.target,
+                    pair.draft,
+                    params,
+                    draft_len=args.draft_len,
+                    delays_ms=[0.0],
+                    draft_range=draft_range,
+                    target_device=args.target_device,
+                    pin=not args.no_pin,
+                    settings=settings,
+                )
+            )[lane]
+            for name, settings in {"": None, **variants}.items()
+        }
+        cpus = _cpus({"": clusters[""]})
         samples, rates = run_sessions_bench(
-            lanes["cluster@0ms-adaptive" if draft_range else "cluster@0ms"],
+            clusters.pop(""),
             prompts,
             sessions,
             args.max_tokens,
             args.repeats,
             progress=not args.json,
+            variants=clusters,
         )
-    interrupted = _interrupted(sum(map(len, rates.values())), args.repeats * len(sessions))
+    planned = args.repeats * len(sessions) * (1 + len(variants))
+    interrupted = _interrupted(sum(map(len, rates.values())), planned)
     if not rates:
         print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
         return INTERRUPTED
@@ -344,7 +357,8 @@ def _run_sessions(args: argparse.Namespace) -> int:
         "sessions": sessions,
         "repeats": args.repeats,
         "interrupted": interrupted,
-        "rates_tokens_per_s": {str(n): r for n, r in rates.items()},
+        "rates_tokens_per_s": rates,
+        "cluster_variants": variants,
         "threads": "torch.set_num_threads(1) in each daemon",
         "cpus": cpus,
     }

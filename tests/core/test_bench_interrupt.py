@@ -45,7 +45,7 @@ def test_run_sessions_bench_drops_the_counts_it_never_finished():
         lane_interrupted_at(4), [[1], [2]], [1, 2], 4, repeats=2, progress=False
     )
     # warm-up, N=1 (1 call), N=2 (2 calls: the second is interrupted, the run is dropped)
-    assert list(rates) == [1] and len(rates[1]) == 1
+    assert list(rates) == ["sessions=1"] and len(rates["sessions=1"]) == 1
     assert [s.lane for s in samples] == ["sessions=1"]
 
 

@@ -1,5 +1,6 @@
 """`muser bench --cluster-variant`: a second cluster's settings, parsed and written into the
-cluster file it runs from, or refused before any work with what was wrong."""
+cluster file it runs from, or refused before any work with what was wrong; in the sessions
+suite every wave runs on both clusters."""
 
 from __future__ import annotations
 
@@ -82,8 +83,20 @@ def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
             "give --cluster-delays too",
         ),
         (
-            ["--suite", "sessions", "--cluster-variant", "a: lane.draft_len=3"],
-            "--suite sessions has none to compare with",
+            ["--suite", "wal", "--cluster-variant", "a: lane.draft_len=3"],
+            "--suite wal has none to compare with",
+        ),
+        (["--suite", "sessions", "--cluster-variant", "a lane.draft_len=3"], "expected 'NAME:"),
+        (
+            [
+                "--suite",
+                "sessions",
+                "--cluster-variant",
+                "a: lane.draft_len=3",
+                "--cluster-variant",
+                "a: lane.draft_len=2",
+            ],
+            "the name 'a' is given twice",
         ),
     ],
 )
@@ -96,3 +109,47 @@ def test_bench_refuses_bad_variants_before_any_work(args, says, capsys, monkeypa
     monkeypatch.setattr(muser.fixtures, "build_fixtures", no_fixtures)
     assert main(["bench", "--no-peers", *args]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
+    tmp_path, monkeypatch, capsys
+):
+    """`--suite sessions --cluster-variant`: a second cluster is built with the settings,
+    every wave runs on both, and the table and receipt carry the variant's rows."""
+    import contextlib
+    import json
+
+    import muser.bench_cluster
+    from muser.benchmark import Sample
+
+    built, used = [], []
+
+    @contextlib.contextmanager
+    def fake_cluster(target, draft, params, **kw):
+        name = "b1" if kw["settings"] else "base"
+        built.append((name, kw["settings"]))
+
+        def run(prompt, max_tokens):
+            used.append(name)
+            return Sample(name, 0, 0, [1] * max_tokens, 0.01, 4, 2, 2, {})
+
+        yield {"cluster@0ms": run}
+
+    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
+    receipt = tmp_path / "r.json"
+    code = main(["bench", "--suite", "sessions", "--sessions", "1,2", "--temperature", "1",
+                 "--max-tokens", "3", "--repeats", "2", "--receipt", str(receipt),
+                 "--cluster-variant", "b1: lane.speculate_branches=1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert built == [("base", None), ("b1", {"lane.speculate_branches": "1"})]
+    assert used.count("base") == used.count("b1") == 1 + 2 * (1 + 2)  # warm-up, 2 × (N=1, N=2)
+    assert "×base" in out.splitlines()[0] and any(
+        line.split()[0] == "2[b1]" for line in out.splitlines()[1:]
+    )
+    data = json.loads(receipt.read_text())
+    assert data["meta"]["cluster_variants"] == {"b1": {"lane.speculate_branches": "1"}}
+    assert sorted(data["meta"]["rates_tokens_per_s"]) == [
+        "sessions=1", "sessions=1[b1]", "sessions=2", "sessions=2[b1]"
+    ]  # fmt: skip
+    assert data["summary"]["sessions=2[b1]"]["ratio_to_base"] > 0

@@ -1,5 +1,6 @@
 """The batching limits (cluster_config.schema.Limits) and the sessions bench's own logic:
-refusals quote the offending values; the summary's ratios and greedy checks are exact."""
+refusals quote the offending values; the summary's ratios and greedy checks are exact; a
+variant's waves run beside the base cluster's, and its paired ratio is exact."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from cluster_config.schema import Limits
-from muser.bench_sessions import format_sessions, run_sessions_bench, summarise_sessions
+from muser.bench_sessions import (
+    format_sessions,
+    label,
+    parse_label,
+    run_sessions_bench,
+    summarise_sessions,
+)
 from muser.benchmark import Sample
 
 
@@ -24,12 +31,13 @@ def test_limits_defaults_and_refusals():
     assert Limits(kv_sessions=1, max_batch=1, round_queue=1).round_queue == 1
 
 
-def sample(n: int, prompt: int, tokens: list[int], repeat: int = 0) -> Sample:
-    return Sample(f"sessions={n}", prompt, repeat, tokens, 1.0, drafted=4, accepted=2, rounds=2)
+def sample(n: int, prompt: int, tokens: list[int], repeat: int = 0, variant: str = "") -> Sample:
+    lane = label(n, variant)
+    return Sample(lane, prompt, repeat, tokens, 1.0, drafted=4, accepted=2, rounds=2)
 
 
 def test_summary_ratio_and_greedy_match_are_exact():
-    rates = {1: [100.0, 120.0, 110.0], 8: [330.0, 300.0, 360.0]}
+    rates = {"sessions=1": [100.0, 120.0, 110.0], "sessions=8": [330.0, 300.0, 360.0]}
     samples = [sample(1, 0, [1, 2]), sample(8, 0, [1, 2]), sample(8, 1, [9, 9])]
     oracle = {0: [1, 2], 1: [3, 4]}
     out = summarise_sessions(rates, samples, oracle)
@@ -42,6 +50,64 @@ def test_summary_ratio_and_greedy_match_are_exact():
     assert out["sessions=1"]["acceptance"] == 0.5
     table = format_sessions(out)
     assert table.splitlines()[2].split()[:4] == ["8", "330.0", "300.0–360.0", "3.00"]
+
+
+def test_a_variants_rows_carry_the_paired_ratio_to_the_base_cluster():
+    rates = {
+        "sessions=1": [100.0, 200.0, 100.0],
+        "sessions=8": [300.0, 500.0, 310.0],
+        "sessions=1[b1]": [110.0, 180.0, 120.0],
+        "sessions=8[b1]": [330.0, 450.0, 372.0],
+    }
+    samples = [sample(n, 0, [1, 2], r, v) for n in (1, 8) for r in range(3) for v in ("", "b1")]
+    out = summarise_sessions(rates, samples, None)
+    assert list(out) == ["sessions=1", "sessions=8", "sessions=1[b1]", "sessions=8[b1]"]
+    row = out["sessions=8[b1]"]
+    assert (row["sessions"], row["variant"]) == (8, "b1")
+    assert row["ratio_to_base"] == pytest.approx(1.1)  # median of 1.1, 0.9, 1.2 (the repeats')
+    assert row["ratio_to_1"] == 372.0 / 120.0  # within its own cluster, as for the base
+    assert out["sessions=1[b1]"]["ratio_to_base"] == pytest.approx(1.1)
+    assert "ratio_to_base" not in out["sessions=8"] and out["sessions=8"]["variant"] is None
+    lines = format_sessions(out).splitlines()
+    assert "×base" in lines[0]
+    assert lines[4].split()[:4] == ["8[b1]", "372.0", "330.0–450.0", "3.10"]
+    assert lines[4].split()[7] == "1.10" and lines[2].split()[7] == "-"
+
+
+def test_a_label_names_the_wave_and_its_cluster():
+    assert (label(8), label(8, "b1")) == ("sessions=8", "sessions=8[b1]")
+    assert parse_label("sessions=8[b1]") == (8, "b1") and parse_label("sessions=1") == (1, "")
+
+
+def test_each_wave_runs_on_every_cluster_in_turn():
+    """The variant's wave of each N and repeat runs right beside the base cluster's, the
+    two alternating which goes first."""
+    ran = []
+
+    def lane_of(name):
+        def lane(prompt, max_tokens):
+            ran.append(name)
+            return Sample("cluster", 0, 0, [1] * max_tokens, 0.1, 4, 2, 2)
+
+        return lane
+
+    samples, rates = run_sessions_bench(
+        lane_of("base"), [[1], [2]], [1, 2], 3, 2, progress=False, variants={"v": lane_of("v")}
+    )
+    waves = ran[2:]  # after one warm-up call each
+    assert ran[:2] == ["base", "v"]
+    # repeat 0: N=1 base then v, N=2 v then base; repeat 1 (N reversed): N=2 v, base; N=1 ...
+    assert waves == ["base", "v", "v", "v", "base", "base"] + [
+        "v",
+        "v",
+        "base",
+        "base",
+        "base",
+        "v",
+    ]
+    assert sorted(rates) == ["sessions=1", "sessions=1[v]", "sessions=2", "sessions=2[v]"]
+    assert all(len(r) == 2 for r in rates.values())
+    assert {s.lane for s in samples} == set(rates)
 
 
 def test_sessions_bench_refuses_more_sessions_than_prompts():
@@ -71,13 +137,14 @@ def test_cpu_per_session_round_counts_each_wave_once():
     wave0 = {"run_cpu_proposer": 0.010, "run_cpu_verifier": 0.006}
     wave1 = {"run_cpu_proposer": 0.014, "run_cpu_verifier": 0.010}
     samples = [run(0, 0, wave0), run(0, 1, wave0), run(1, 0, wave1), run(1, 1, wave1)]
-    out = summarise_sessions({8: [300.0, 330.0]}, samples, None)
+    out = summarise_sessions({"sessions=8": [300.0, 330.0]}, samples, None)
     cpu = out["sessions=8"]["cpu_ms_per_session_round"]
     assert cpu == pytest.approx({"proposer": 3.0, "verifier": 2.0})  # 24 ms, 16 ms over 8 rounds
     assert format_sessions(out).splitlines()[1].endswith("proposer 3.00  verifier 2.00")
     for s in samples[2:]:  # a wave without the verifier's reading: the verifier is left out
         s.split_s.pop("run_cpu_verifier")
-    cpu = summarise_sessions({8: [300.0]}, samples, None)["sessions=8"]["cpu_ms_per_session_round"]
+    out = summarise_sessions({"sessions=8": [300.0]}, samples, None)
+    cpu = out["sessions=8"]["cpu_ms_per_session_round"]
     assert list(cpu) == ["proposer"]
 
 
