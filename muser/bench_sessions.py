@@ -156,19 +156,23 @@ def format_sessions(summary: dict[str, dict]) -> str:
     base = next(k for k in next(iter(summary.values())) if k.startswith("ratio_to_") and
                 k != "ratio_to_base")  # fmt: skip
     paired = any("ratio_to_base" in r for r in summary.values())
-    lines = [f"{'sessions':>8} {'tok/s':>8} {'spread':>13} {'×' + base[9:]:>6} {'tok/s/sess':>10} "
+    names = {
+        k: f"{r['sessions']}[{r['variant']}]" if r.get("variant") else str(r["sessions"])
+        for k, r in summary.items()
+    }
+    w = max(8, *map(len, names.values()))
+    lines = [f"{'sessions':>{w}} {'tok/s':>8} {'spread':>13} {'×' + base[9:]:>6} {'tok/s/sess':>10} "
              f"{'accept':>7} {'=plain':>7}{'  ×base' if paired else ''}  "
              "CPU ms per session-round"]  # fmt: skip
-    for r in summary.values():
+    for key, r in summary.items():
         lo, hi = r["spread"]
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         ratio = f"{r[base]:.2f}" if r[base] is not None else "-"
         cpu = r.get("cpu_ms_per_session_round") or {}
         cpu_s = "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) or "-"
-        name = f"{r['sessions']}[{r['variant']}]" if r.get("variant") else str(r["sessions"])
         vs = f"{r['ratio_to_base']:.2f}" if "ratio_to_base" in r else "-"
         lines.append(
-            f"{name:>8} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
+            f"{names[key]:>{w}} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
             f"{ratio:>6} {r['per_session_tokens_per_s']:>10.1f} {acc:>7} "
             f"{r.get('greedy_match_plain', '-'):>7}{f'  {vs:>5}' if paired else ''}  {cpu_s}"
         )
