@@ -222,6 +222,11 @@ class SessionManager:
     def _lock(self, session_id: bytes) -> asyncio.Lock:
         return self._locks.setdefault(session_id, asyncio.Lock())
 
+    def _others_in_flight(self, session_id: bytes) -> bool:
+        """Whether another session holds its lock: a round of it admitted, queued or
+        computing (or its own lookahead)."""
+        return any(lock.locked() for sid, lock in self._locks.items() if sid != session_id)
+
     def _proposer_key(self, key_id: str) -> Ed25519PublicKey:
         public = self.proposer_keys.get(key_id)
         if public is None:
@@ -469,9 +474,10 @@ class SessionManager:
         emitted `after`, evaluate round `round_`, [after[-1], *drafts] after the transcript,
         before its request (`TargetExecutor.look_ahead`). Only when that is the session's
         next round, the session holds its KV and captures nothing, the drafts fit what is
-        left, no round waits for the target (rounds go first), and no lookahead ran for
-        this round yet (a hint is worth one forward). Never refused, never written: False
-        when it did not run."""
+        left, no other session has a round in progress (rounds go first: a lookahead holds
+        the target for a whole forward, and with other sessions at work their next batch
+        would wait for it), and no lookahead ran for this round yet (a hint is worth one
+        forward). Never refused, never written: False when it did not run."""
         if session_id not in self.replay.sessions or not drafts or not after:
             return False
         async with self._lock(session_id):  # after the round in progress, if any
@@ -485,6 +491,7 @@ class SessionManager:
                 or len(drafts) > max(0, state.remaining - 1)
                 or state.open.capture_layers
                 or self.batcher.depth > 0
+                or self._others_in_flight(session_id)
                 or self._looked_ahead.get(session_id) == round_
             ):
                 return False

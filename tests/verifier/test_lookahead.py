@@ -9,8 +9,9 @@ a KV. Verifier level over loopback (the fake target, one shared KV): sessions em
 lane's tokens with a lookahead on every round, a wrong one changes nothing, one that does
 not name the next round after what the round before emitted is ignored, the stream's
 Lookahead serves the request after it, of the guesses sent behind a request only the one
-that held runs, the stream is read while a round is in progress (a hint starts then), hints
-beyond a bound are dropped, and a stream that fails ends the round loop with its error.
+that held runs, none runs while another session's round is in progress, the stream is read while
+a round is in progress (a hint starts then), hints beyond a bound are dropped, and a stream
+that fails ends the round loop with its error.
 """
 
 from __future__ import annotations
@@ -250,6 +251,40 @@ async def test_the_stream_lookahead_serves_the_request_after_it(verifier):
     stats = verifier.manager.stats
     assert stats.lookaheads == stats.lookahead_hits == 1
     assert status_json(verifier.manager)["lookahead"]["hits"] == 1
+
+
+@pytest.mark.asyncio
+async def test_no_lookahead_runs_while_another_sessions_round_is_in_progress(key_set, tmp_path):
+    """Rounds go first: while another session's round is at the verifier (here computing),
+    a hint is not evaluated (it would hold the target from that session's next batch); once
+    no other round is in progress the same hint runs. (A target with a KV per session: a
+    hint never rebuilds one.)"""
+    from tests.verifier.test_batching import SequencedFake, started, until
+
+    v = await started(key_set, tmp_path, SequencedFake)
+    try:
+        manager = v.manager
+        b, stream_b = await gated_session(v)
+        request = b.draft_request()
+        msg, _ = await stream_b.round_trip(b.sign(request))
+        b.accept(request, msg)
+        nxt = b.draft_request()
+        hint = (b.session_id, nxt.round, emission(b), list(nxt.drafts))
+        v.backend.gate.clear()  # the target holds every batch from here
+        v.backend.entered.clear()
+        a, stream_a = await gated_session(v)
+        request_a = a.draft_request()
+        await stream_a.send(request=a.sign(request_a))
+        await until(v.backend.entered.is_set)
+        assert not await manager.look_ahead(*hint)
+        v.backend.gate.set()
+        await read_result(a, stream_a, request_a)
+        assert await manager.look_ahead(*hint)
+        assert manager.stats.lookaheads == 1
+        for stream in (stream_a, stream_b):
+            await stream.close()
+    finally:
+        await v.stop()
 
 
 async def gated_session(verifier):
