@@ -229,12 +229,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             while (msg := await inbox.get()) is not None:
                 if isinstance(msg, BaseException):  # the request stream failed
                     raise msg
-                for out in self._in_order(session_id, msg):
-                    if isinstance(out, pb.VerifierMessage):
-                        yield out
-                    else:  # a round: its messages as they come
-                        async for m in out:
-                            yield m
+                async for out in self._in_order(session_id, msg):
+                    yield out
         finally:
             reader.cancel()
 
@@ -261,12 +257,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await inbox.put(exc)
         await inbox.put(None)
 
-    def _in_order(self, session_id: bytes, msg: pb.ProposerMessage):
-        """What a message of the attached stream is answered with: messages to send, or for a
-        request the async iterator of its round's messages."""
+    async def _in_order(self, session_id: bytes, msg: pb.ProposerMessage):
+        """The messages a message of the attached stream is answered with (a request's as its
+        round goes)."""
         kind = msg.WhichOneof("kind")
         if kind == "request":
-            yield self._round_messages(session_id, msg.request)
+            async for out in self._round_messages(session_id, msg.request):
+                yield out
         elif kind == "fragment":
             error = self._fragment(session_id, msg.fragment)
             if error is not None:
