@@ -223,8 +223,8 @@ class SessionManager:
         return self._locks.setdefault(session_id, asyncio.Lock())
 
     def _others_in_flight(self, session_id: bytes) -> bool:
-        """Whether another session holds its lock: a round of it admitted, queued or
-        computing (or its own lookahead)."""
+        """Whether another session holds its lock: a round of it admitted, queued (a round
+        waits in the batcher under its session's lock) or computing, or its lookahead."""
         return any(lock.locked() for sid, lock in self._locks.items() if sid != session_id)
 
     def _proposer_key(self, key_id: str) -> Ed25519PublicKey:
@@ -490,7 +490,6 @@ class SessionManager:
                 or state.transcript[-len(after) :] != [int(t) for t in after]
                 or len(drafts) > max(0, state.remaining - 1)
                 or state.open.capture_layers
-                or self.batcher.depth > 0
                 or self._others_in_flight(session_id)
                 or self._looked_ahead.get(session_id) == round_
             ):
