@@ -310,11 +310,8 @@ class SessionRunner:
                     1 if proposal.drafts else s.width.decode_len(remaining),
                 )
                 prepared = journal.encode_prepared(s.session_id, s.next_round, signed_request)
-                if checked is None:
-                    await core.log.append_async(prepared)
-                else:
-                    await self._commit(checked, prepared)
-                    checked = None
+                await self._append(checked, prepared)
+                checked = None
                 s.prepared = signed_request
                 to_speculate = in_flight = proposal
             try:
@@ -378,15 +375,19 @@ class SessionRunner:
         if not s.done:  # cancelled: the session ends at what is durable
             log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
             s.done = True
-        if checked is None:
-            await core.log.append_async(journal.encode_done(s.session_id))
-        else:
-            await self._commit(checked, journal.encode_done(s.session_id))
+        await self._append(checked, journal.encode_done(s.session_id))
         if ack_due is not None and stream is not None:
             await stream.ack(ack_due)
         if stream is not None:
             stream.close()
         await core.close_remote(s)
+
+    async def _append(self, checked: _Checked | None, record: bytes) -> None:
+        """Append `record`, behind the last result's COMMITTED when one is still unwritten."""
+        if checked is None:
+            await self.core.log.append_async(record)
+        else:
+            await self._commit(checked, record)
 
     async def _commit(self, checked: _Checked, *after: bytes) -> None:
         """Make the round's COMMITTED durable, with the records `after` it in the same write
