@@ -94,9 +94,12 @@ def cluster_lanes(
             stack.callback(proposer.stop)
             name = f"cluster@{delay:g}ms"
             daemons = {"proposer": proposer, "verifier": verifier}
-            lanes[name] = _lane(stream_generate, proposer_addr, params, draft_len, daemons, cpus)
+            rtt = delay / 1000
+            lanes[name] = _lane(
+                stream_generate, proposer_addr, params, draft_len, daemons, cpus, rtt
+            )
             if draft_range is not None:
-                adaptive = _lane(stream_generate, proposer_addr, params, 0, daemons, cpus)
+                adaptive = _lane(stream_generate, proposer_addr, params, 0, daemons, cpus, rtt)
                 lanes[f"{name}-adaptive"] = adaptive
         yield lanes
 
@@ -182,12 +185,14 @@ def _lane(
     draft_len: int,
     daemons: dict,
     cpus: dict | None = None,
+    rtt_s: float = 0.0,
 ) -> LaneFn:
     """Sessions that ask for `draft_len` (0: the lane's width policy decides); each run also
     records the CPU seconds each of `daemons` ({role: Daemon}) spent during it. `cpus`: each
     daemon's `cpus` setting ({role: list or None}); with the proposer's, the harness runs as
     the client on those CPUs for the run, where a client of the proposer's machine would
-    run, and on its own CPUs again after."""
+    run, and on its own CPUs again after. `rtt_s`: the round trip injected between the
+    proposer and the verifier (read by `summarise` as the lane's `rtt_s`)."""
     client_cpus = (cpus or {}).get("proposer")
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
@@ -214,4 +219,5 @@ def _lane(
 
     run.daemons = daemons  # what the sessions suite reads around a wave of concurrent runs
     run.cpus = cpus or {}  # where the daemons run, and where the clients of a wave run
+    run.rtt_s = rtt_s
     return run

@@ -296,6 +296,23 @@ def _predicted(row: dict, drafted: int, rounds: int) -> float | None:
     return expected_tokens(acceptance, depth) / ((split["draft"] + split["verify"]) / rounds)
 
 
+def _wire_bounds(emitted: int, rounds: int, split: dict[str, float], rtt: float) -> dict:
+    """What no lane can beat whose round's request leaves only once the round before it
+    returned, with this lane's tokens per round over a round trip of `rtt` seconds: one
+    round trip a round (`wire_bound`: the draft, the protocol and even the target's forward
+    free, as a lookahead that hides the forward in the wire would make it), and one round
+    trip plus the round's measured verifier compute (`wire_serial_bound`: the target starts
+    when the request arrives). {} without an injected round trip or without rounds."""
+    if rtt <= 0 or not rounds:
+        return {}
+    verify = split.get("verify")
+    return {
+        "rtt_ms": 1e3 * rtt,
+        "wire_bound_tokens_per_s": emitted / (rounds * rtt),
+        "wire_serial_bound_tokens_per_s": emitted / (rounds * rtt + verify) if verify else None,
+    }
+
+
 def _overhead_ms(samples: list[Sample]) -> float | None:
     """Median over runs of (wall − draft − verify compute) / rounds, in ms: what a round
     costs besides its two computes (transport, WAL, signatures, Python, waiting). None for
@@ -317,10 +334,12 @@ def _cpu_ms(samples: list[Sample], rounds: int) -> dict[str, float]:
     return {r: 1e3 * sum(s.cpu_s[r] for s in samples) / rounds for r in sorted(roles)}
 
 
-def summarise(samples: list[Sample]) -> dict[str, dict]:
+def summarise(samples: list[Sample], rtt_s: dict[str, float] | None = None) -> dict[str, dict]:
     """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio;
     the verifier-only ceiling, the ideal (measured compute only) and the speedup over plain
-    predicted from measured acceptance and compute (`expected_tokens`)."""
+    predicted from measured acceptance and compute (`expected_tokens`). `rtt_s`: the round
+    trip injected under a lane ({lane: seconds}); such a lane also gets its wire bounds
+    (`_wire_bounds`)."""
     by_lane: dict[str, dict[int, list[Sample]]] = {}
     for s in samples:
         by_lane.setdefault(s.lane, {}).setdefault(s.repeat, []).append(s)
@@ -354,6 +373,7 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
         out[lane]["predicted_tokens_per_s"] = _predicted(out[lane], drafted, rounds)
         out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
         out[lane]["cpu_ms_per_round"] = _cpu_ms(all_s, rounds)
+        out[lane] |= _wire_bounds(emitted, rounds, split, (rtt_s or {}).get(lane, 0.0))
     plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
     for row in out.values():
         predicted = row["predicted_tokens_per_s"]
@@ -364,6 +384,9 @@ def summarise(samples: list[Sample]) -> dict[str, dict]:
         base = out["plain"]["tokens_per_s"]
         for row in out.values():
             row["ratio_to_plain"] = row["tokens_per_s"] / base
+            for key in ("wire_bound", "wire_serial_bound"):
+                if row.get(f"{key}_tokens_per_s"):
+                    row[f"{key}_ratio_to_plain"] = row[f"{key}_tokens_per_s"] / base
     if "local" in out:
         base = out["local"]["tokens_per_s"]
         for row in out.values():
@@ -395,7 +418,7 @@ def format_table(summary: dict) -> str:
     head = (
         f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'×local':>7} {'accept':>7} "
         f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'pred×':>6} {'ovh ms':>6} "
-        f"{'=plain':>7}"
+        f"{'wire×pl':>9} {'=plain':>7}"
     )
     lines = [head]
     for lane, r in summary.items():
@@ -410,10 +433,12 @@ def format_table(summary: dict) -> str:
         ovh = r.get("overhead_ms_per_round")
         ovh_s = f"{ovh:.2f}" if ovh is not None else "-"
         lo, hi = r["spread"]
+        wire, serial = r.get("wire_bound_ratio_to_plain"), r.get("wire_serial_bound_ratio_to_plain")
+        wire = "-" if not wire else f"{wire:.2f}/{serial:.2f}" if serial else f"{wire:.2f}"
         lines.append(
             f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
             f"{r.get('ratio_to_plain', 0):>7.2f} {to_local:>7} {acc:>7} {tpr:>7} {ceil_s:>8} "
-            f"{ratio:>6} {ideal:>7} {pred:>6} {ovh_s:>6} {r['greedy_match_plain']:>7}"
+            f"{ratio:>6} {ideal:>7} {pred:>6} {ovh_s:>6} {wire:>9} {r['greedy_match_plain']:>7}"
         )
     splits = [(lane, r["split_s"]) for lane, r in summary.items() if r.get("split_s")]
     if splits:

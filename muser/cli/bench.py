@@ -193,7 +193,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
     if not samples:
         print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
         return INTERRUPTED
-    summary = summarise(samples)
+    summary = summarise(samples, {k: fn.rtt_s for k, fn in lanes.items() if hasattr(fn, "rtt_s")})
     meta = {
         "command": " ".join(sys.argv),
         "fixture": "periodic (control)" if args.periodic else "natural",

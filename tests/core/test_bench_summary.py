@@ -275,3 +275,29 @@ def test_cpu_seconds_reads_a_live_process_and_none_for_a_gone_one():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert cpu_seconds(gone.pid) is None
+
+
+def test_a_lane_behind_a_round_trip_gets_its_wire_bounds():
+    """Each round pays the round trip at least once (`wire_bound`), and once plus its own
+    verifier compute when the target starts on the request (`wire_serial_bound`); lanes with
+    no injected round trip get neither."""
+    split = {"draft": 0.2, "verify": 0.5}
+    samples = [
+        sample("plain", 0, 100, 1.0, split_s={"verify": 1.0}),
+        sample("cluster@0ms", 0, 100, 1.0, drafted=80, accepted=40, rounds=50, split_s=split),
+        sample("cluster@20ms", 0, 100, 2.0, drafted=80, accepted=40, rounds=50, split_s=split),
+    ]
+    out = summarise(samples, {"cluster@0ms": 0.0, "cluster@20ms": 0.02})
+    row = out["cluster@20ms"]
+    assert row["rtt_ms"] == pytest.approx(20.0)
+    assert row["wire_bound_tokens_per_s"] == pytest.approx(100 / (50 * 0.02))
+    assert row["wire_serial_bound_tokens_per_s"] == pytest.approx(100 / (50 * 0.02 + 0.5))
+    assert row["wire_bound_ratio_to_plain"] == pytest.approx(1.0)  # plain: 100 tok/s
+    assert row["wire_serial_bound_ratio_to_plain"] == pytest.approx(100 / 1.5 / 100)
+    for lane in ("plain", "cluster@0ms"):
+        assert "wire_bound_tokens_per_s" not in out[lane]
+    lines = format_table(out).splitlines()
+    assert lines[0].split()[-2] == "wire×pl"
+    assert next(x for x in lines if x.startswith("cluster@20ms")).split()[-2] == "1.00/0.67"
+    assert next(x for x in lines if x.startswith("cluster@0ms")).split()[-2] == "-"
+    assert summarise(samples)["cluster@20ms"].get("wire_bound_tokens_per_s") is None

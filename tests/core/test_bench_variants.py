@@ -153,3 +153,35 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
         "sessions=1", "sessions=1[b1]", "sessions=2", "sessions=2[b1]"
     ]  # fmt: skip
     assert data["summary"]["sessions=2[b1]"]["ratio_to_base"] > 0
+
+
+def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypatch, capsys):
+    """The round trip `cluster_lanes` injected under a lane reaches the summary: the lane
+    behind 20 ms gets its wire bounds in the receipt, the one at 0 ms none."""
+    import contextlib
+    import json
+
+    import muser.bench_cluster
+    from muser.sampling import SamplingParams
+
+    def stream(address, prompt, params, draft_len):
+        n = params.max_tokens
+        return {"tokens": [1] * n, "stats": {"drafted": 4, "accepted": 2, "rounds": 2,
+                                             "split_s": {"draft": 0.001, "verify": 0.002}}}  # fmt: skip
+
+    @contextlib.contextmanager
+    def fake_cluster(target, draft, params, **kw):
+        lane = muser.bench_cluster._lane  # the bench's own lane, over a fake stream
+        yield {f"cluster@{d:g}ms": lane(stream, "a", params, 4, {}, None, d / 1000)
+               for d in kw["delays_ms"]}  # fmt: skip
+
+    assert muser.bench_cluster._lane(stream, "a", SamplingParams(), 4, {}).rtt_s == 0.0
+    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
+    receipt = tmp_path / "r.json"
+    code = main(["bench", "--no-peers", "--prompts", "1", "--max-tokens", "3", "--repeats", "1",
+                 "--cluster-delays", "0,20", "--receipt", str(receipt)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads(receipt.read_text())["summary"]
+    assert summary["cluster@20ms"]["rtt_ms"] == pytest.approx(20.0)
+    assert summary["cluster@20ms"]["wire_bound_tokens_per_s"] == pytest.approx(3 / (2 * 0.02))
+    assert "wire_bound_tokens_per_s" not in summary["cluster@0ms"]
