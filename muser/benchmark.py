@@ -313,6 +313,23 @@ def _wire_bounds(emitted: int, rounds: int, split: dict[str, float], rtt: float)
     }
 
 
+def _core_bound(row: dict, cores: dict[str, int]) -> dict:
+    """A lane whose processes are each confined to `cores[role]` CPUs spends, per round,
+    at least its busiest process's CPU ms a round divided by that process's CPUs: no round
+    is shorter, so no run beats tokens per round over that (`core_bound_tokens_per_s`).
+    {} unless every measured process has a known CPU count."""
+    cpu = row.get("cpu_ms_per_round") or {}
+    if not cpu or not row.get("tokens_per_round") or any(not cores.get(r) for r in cpu):
+        return {}
+    role = max(cpu, key=lambda r: cpu[r] / cores[r])
+    busiest = cpu[role] / cores[role]
+    return {
+        "busiest_core": role,
+        "busiest_core_ms_per_round": busiest,
+        "core_bound_tokens_per_s": 1e3 * row["tokens_per_round"] / busiest,
+    }
+
+
 def _overhead_ms(samples: list[Sample]) -> float | None:
     """Median over runs of (wall − draft − verify compute) / rounds, in ms: what a round
     costs besides its two computes (transport, WAL, signatures, Python, waiting). None for
@@ -334,12 +351,17 @@ def _cpu_ms(samples: list[Sample], rounds: int) -> dict[str, float]:
     return {r: 1e3 * sum(s.cpu_s[r] for s in samples) / rounds for r in sorted(roles)}
 
 
-def summarise(samples: list[Sample], rtt_s: dict[str, float] | None = None) -> dict[str, dict]:
+def summarise(
+    samples: list[Sample],
+    rtt_s: dict[str, float] | None = None,
+    cores: dict[str, dict[str, int]] | None = None,
+) -> dict[str, dict]:
     """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio;
     the verifier-only ceiling, the ideal (measured compute only) and the speedup over plain
     predicted from measured acceptance and compute (`expected_tokens`). `rtt_s`: the round
     trip injected under a lane ({lane: seconds}); such a lane also gets its wire bounds
-    (`_wire_bounds`)."""
+    (`_wire_bounds`). `cores`: how many CPUs each of a lane's processes is confined to
+    ({lane: {role: n}}); such a lane also gets its core bound (`_core_bound`)."""
     by_lane: dict[str, dict[int, list[Sample]]] = {}
     for s in samples:
         by_lane.setdefault(s.lane, {}).setdefault(s.repeat, []).append(s)
@@ -374,6 +396,7 @@ def summarise(samples: list[Sample], rtt_s: dict[str, float] | None = None) -> d
         out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
         out[lane]["cpu_ms_per_round"] = _cpu_ms(all_s, rounds)
         out[lane] |= _wire_bounds(emitted, rounds, split, (rtt_s or {}).get(lane, 0.0))
+        out[lane] |= _core_bound(out[lane], (cores or {}).get(lane, {}))
     plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
     for row in out.values():
         predicted = row["predicted_tokens_per_s"]
@@ -391,6 +414,8 @@ def summarise(samples: list[Sample], rtt_s: dict[str, float] | None = None) -> d
         base = out["local"]["tokens_per_s"]
         for row in out.values():
             row["ratio_to_local"] = row["tokens_per_s"] / base
+            if row.get("core_bound_tokens_per_s"):
+                row["core_bound_ratio_to_local"] = row["core_bound_tokens_per_s"] / base
     plain_tokens = {(s.prompt, s.repeat): s.tokens for s in samples if s.lane == "plain"}
     for lane in out:
         same = [
@@ -452,7 +477,14 @@ def format_table(summary: dict) -> str:
         lines.append("CPU per round, ms (per process; the cluster's daemons, our lanes' own):")
         for lane, cpu in cpus:
             total = f"  total {sum(cpu.values()):.2f}" if len(cpu) > 1 else ""
+            row = summary[lane]
+            bound = ""
+            if row.get("core_bound_ratio_to_local"):
+                bound = (
+                    f"  (busiest core, {row['busiest_core']}: ≤ {row['core_bound_tokens_per_s']:.1f}"
+                    f" tok/s, {row['core_bound_ratio_to_local']:.2f}× local)"
+                )
             lines.append(
-                f"  {lane:<18} " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + total
+                f"  {lane:<18} " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + total + bound
             )
     return "\n".join(lines)

@@ -193,7 +193,8 @@ def _run_lanes(args: argparse.Namespace) -> int:
     if not samples:
         print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
         return INTERRUPTED
-    summary = summarise(samples, {k: fn.rtt_s for k, fn in lanes.items() if hasattr(fn, "rtt_s")})
+    rtt = {k: fn.rtt_s for k, fn in lanes.items() if hasattr(fn, "rtt_s")}
+    summary = summarise(samples, rtt, _cores(lanes))
     meta = {
         "command": " ".join(sys.argv),
         "fixture": "periodic (control)" if args.periodic else "natural",
@@ -260,6 +261,16 @@ def _cpus(lanes: dict) -> dict:
     if not cpus:
         return {}
     return cpus | {"client": cpus.get("proposer") or "placed by the OS"}
+
+
+def _cores(lanes: dict) -> dict[str, dict[str, int]]:
+    """{lane: {role: CPUs}} for each lane whose every daemon is pinned (`cpus` set)."""
+    out = {}
+    for name, fn in lanes.items():
+        cpus = getattr(fn, "cpus", None) or {}
+        if cpus and all(cpus.values()):
+            out[name] = {role: len(c) for role, c in cpus.items()}
+    return out
 
 
 def _draft_range(args: argparse.Namespace) -> tuple[int, int] | None:

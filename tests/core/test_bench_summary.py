@@ -301,3 +301,29 @@ def test_a_lane_behind_a_round_trip_gets_its_wire_bounds():
     assert next(x for x in lines if x.startswith("cluster@20ms")).split()[-2] == "1.00/0.67"
     assert next(x for x in lines if x.startswith("cluster@0ms")).split()[-2] == "-"
     assert summarise(samples)["cluster@20ms"].get("wire_bound_tokens_per_s") is None
+
+
+def test_a_pinned_lane_gets_the_bound_of_its_busiest_core():
+    """No round is shorter than the CPU its busiest process spends on it per CPU that
+    process may use: the bound is tokens per round over that, against the local lane."""
+    split = {"draft": 0.2, "verify": 0.5}
+    local = sample("local", 0, 100, 0.5, drafted=80, accepted=40, rounds=50, split_s=split)
+    cluster = sample("cluster@0ms", 0, 100, 1.0, drafted=80, accepted=40, rounds=50,
+                     split_s=split, cpu_s={"proposer": 0.6, "verifier": 0.4})  # fmt: skip
+    cores = {"cluster@0ms": {"proposer": 1, "verifier": 1}}
+    out = summarise([local, cluster], cores=cores)["cluster@0ms"]
+    assert out["busiest_core"] == "proposer"
+    assert out["busiest_core_ms_per_round"] == pytest.approx(12.0)  # 0.6 s over 50 rounds
+    assert out["core_bound_tokens_per_s"] == pytest.approx(2.0 / 0.012)
+    assert out["core_bound_ratio_to_local"] == pytest.approx(2.0 / 0.012 / 200)
+    two = summarise([local, cluster], cores={"cluster@0ms": {"proposer": 2, "verifier": 1}})
+    assert two["cluster@0ms"]["busiest_core"] == "verifier"  # 0.3 s a CPU against 0.4
+    assert two["cluster@0ms"]["core_bound_tokens_per_s"] == pytest.approx(2.0 / 0.008)
+    line = next(x for x in format_table(summarise([local, cluster], cores=cores)).splitlines()
+                if x.split()[:2] == ["cluster@0ms", "proposer"])  # fmt: skip
+    assert "busiest core, proposer: ≤ 166.7 tok/s, 0.83× local" in line
+    for partial in ({}, {"cluster@0ms": {"proposer": 1}}):  # a process placed by the OS
+        assert (
+            "core_bound_tokens_per_s"
+            not in summarise([local, cluster], cores=partial)["cluster@0ms"]
+        )

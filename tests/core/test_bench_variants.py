@@ -157,11 +157,13 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
 
 def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypatch, capsys):
     """The round trip `cluster_lanes` injected under a lane reaches the summary: the lane
-    behind 20 ms gets its wire bounds in the receipt, the one at 0 ms none."""
+    behind 20 ms gets its wire bounds in the receipt, the one at 0 ms none; and each lane's
+    pinned CPUs reach it too."""
     import contextlib
     import json
 
     import muser.bench_cluster
+    import muser.benchmark
     from muser.sampling import SamplingParams
 
     def stream(address, prompt, params, draft_len):
@@ -171,11 +173,22 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
 
     @contextlib.contextmanager
     def fake_cluster(target, draft, params, **kw):
-        lane = muser.bench_cluster._lane  # the bench's own lane, over a fake stream
-        yield {f"cluster@{d:g}ms": lane(stream, "a", params, 4, {}, None, d / 1000)
-               for d in kw["delays_ms"]}  # fmt: skip
+        lanes = {}
+        for d in kw["delays_ms"]:  # the bench's own lane, over a fake stream
+            lanes[f"cluster@{d:g}ms"] = muser.bench_cluster._lane(stream, "a", params, 4, {},
+                                                                  None, d / 1000)  # fmt: skip
+            lanes[f"cluster@{d:g}ms"].cpus = {"proposer": [0], "verifier": [1, 2]}
+        yield lanes
 
     assert muser.bench_cluster._lane(stream, "a", SamplingParams(), 4, {}).rtt_s == 0.0
+    seen = {}
+
+    def summarise(samples, rtt_s=None, cores=None):
+        seen["cores"] = cores
+        return real_summarise(samples, rtt_s, cores)
+
+    real_summarise = muser.benchmark.summarise
+    monkeypatch.setattr(muser.benchmark, "summarise", summarise)
     monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
     receipt = tmp_path / "r.json"
     code = main(["bench", "--no-peers", "--prompts", "1", "--max-tokens", "3", "--repeats", "1",
@@ -185,3 +198,6 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     assert summary["cluster@20ms"]["rtt_ms"] == pytest.approx(20.0)
     assert summary["cluster@20ms"]["wire_bound_tokens_per_s"] == pytest.approx(3 / (2 * 0.02))
     assert "wire_bound_tokens_per_s" not in summary["cluster@0ms"]
+    assert seen["cores"] == {  # each daemon's CPU count, for the core bound
+        name: {"proposer": 1, "verifier": 2} for name in ("cluster@0ms", "cluster@20ms")
+    }
