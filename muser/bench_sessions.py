@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from muser.affinity import pinned
-from muser.benchmark import LaneFn, Sample
+from muser.benchmark import LaneFn, Sample, core_bound
 from muser.procs import cpu_since
 from muser.sampling import SamplingParams
 
@@ -103,11 +103,17 @@ def run_sessions_bench(
 
 
 def summarise_sessions(
-    rates: dict[str, list[float]], samples: list[Sample], oracle: dict[int, list[int]] | None
+    rates: dict[str, list[float]],
+    samples: list[Sample],
+    oracle: dict[int, list[int]] | None,
+    cores: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, dict]:
     """A row per wave lane (`label`): its median rate and spread, the ratio to its own
     cluster's smallest N, and on a variant's rows `ratio_to_base`, the median over repeats
-    of its rate over the base cluster's at the same N (the paired comparison)."""
+    of its rate over the base cluster's at the same N (the paired comparison). `cores`:
+    {variant ("" for the base cluster): {daemon: CPUs it is confined to}}; with a cluster's,
+    its rows also get the bound of the busiest core (`core_bound`) and its ratio to the
+    smallest N's rate."""
     keys = sorted(rates, key=lambda k: parse_label(k)[::-1])  # base first, then by N
     base_n = min(parse_label(k)[0] for k in keys)
     out: dict[str, dict] = {}
@@ -129,7 +135,19 @@ def summarise_sessions(
         if variant and (base := rates.get(label(n))):
             pairs = list(zip(rs, base, strict=False))
             row["ratio_to_base"] = statistics.median(v / b for v, b in pairs)
-        row["cpu_ms_per_session_round"] = _cpu_per_round(mine)
+        row["cpu_ms_per_session_round"] = cpu = _cpu_per_round(mine)
+        rounds = sum(s.rounds for s in mine)
+        row["tokens_per_session_round"] = (
+            sum(len(s.tokens) for s in mine) / rounds if rounds else None
+        )
+        bound = core_bound(
+            {"cpu_ms_per_round": cpu, "tokens_per_round": row["tokens_per_session_round"]},
+            (cores or {}).get(variant, {}),
+        )
+        if bound and ref:
+            ceiling = bound["core_bound_tokens_per_s"]
+            bound[f"core_bound_ratio_to_{base_n}"] = ceiling / statistics.median(ref)
+        row |= bound
         if oracle is not None:
             same = [s.tokens == oracle[s.prompt] for s in mine]
             row["greedy_match_plain"] = f"{sum(same)}/{len(same)}"
@@ -170,6 +188,11 @@ def format_sessions(summary: dict[str, dict]) -> str:
         ratio = f"{r[base]:.2f}" if r[base] is not None else "-"
         cpu = r.get("cpu_ms_per_session_round") or {}
         cpu_s = "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) or "-"
+        if r.get(f"core_bound_{base}"):
+            cpu_s += (
+                f"  (busiest core, {r['busiest_core']}: ≤ {r['core_bound_tokens_per_s']:.1f}"
+                f" tok/s, {r[f'core_bound_{base}']:.2f}×{base[9:]})"
+            )
         vs = f"{r['ratio_to_base']:.2f}" if "ratio_to_base" in r else "-"
         lines.append(
             f"{names[key]:>{w}} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "

@@ -313,11 +313,12 @@ def _wire_bounds(emitted: int, rounds: int, split: dict[str, float], rtt: float)
     }
 
 
-def _core_bound(row: dict, cores: dict[str, int]) -> dict:
+def core_bound(row: dict, cores: dict[str, int]) -> dict:
     """A lane whose processes are each confined to `cores[role]` CPUs spends, per round,
     at least its busiest process's CPU ms a round divided by that process's CPUs: no round
-    is shorter, so no run beats tokens per round over that (`core_bound_tokens_per_s`).
-    {} unless every measured process has a known CPU count."""
+    is shorter (no batch of rounds, for concurrent sessions), so no run beats tokens per
+    round over that (`core_bound_tokens_per_s`). `row` has `cpu_ms_per_round` ({role: ms})
+    and `tokens_per_round`. {} unless every measured process has a known CPU count."""
     cpu = row.get("cpu_ms_per_round") or {}
     if not cpu or not row.get("tokens_per_round") or any(not cores.get(r) for r in cpu):
         return {}
@@ -361,7 +362,7 @@ def summarise(
     predicted from measured acceptance and compute (`expected_tokens`). `rtt_s`: the round
     trip injected under a lane ({lane: seconds}); such a lane also gets its wire bounds
     (`_wire_bounds`). `cores`: how many CPUs each of a lane's processes is confined to
-    ({lane: {role: n}}); such a lane also gets its core bound (`_core_bound`)."""
+    ({lane: {role: n}}); such a lane also gets its core bound (`core_bound`)."""
     by_lane: dict[str, dict[int, list[Sample]]] = {}
     for s in samples:
         by_lane.setdefault(s.lane, {}).setdefault(s.repeat, []).append(s)
@@ -396,7 +397,7 @@ def summarise(
         out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
         out[lane]["cpu_ms_per_round"] = _cpu_ms(all_s, rounds)
         out[lane] |= _wire_bounds(emitted, rounds, split, (rtt_s or {}).get(lane, 0.0))
-        out[lane] |= _core_bound(out[lane], (cores or {}).get(lane, {}))
+        out[lane] |= core_bound(out[lane], (cores or {}).get(lane, {}))
     plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
     for row in out.values():
         predicted = row["predicted_tokens_per_s"]

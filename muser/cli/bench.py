@@ -339,6 +339,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
             for name, settings in {"": None, **variants}.items()
         }
         cpus = _cpus({"": clusters[""]})
+        cores = _cores(clusters)  # {variant: {daemon: CPUs}}, for each pinned cluster
         samples, rates = run_sessions_bench(
             clusters.pop(""),
             prompts,
@@ -353,7 +354,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
     if not rates:
         print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
         return INTERRUPTED
-    summary = summarise_sessions(rates, samples, oracle)
+    summary = summarise_sessions(rates, samples, oracle, cores)
     meta = {
         "command": " ".join(sys.argv),
         "suite": "sessions",

@@ -120,6 +120,7 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
     import json
 
     import muser.bench_cluster
+    import muser.bench_sessions
     from muser.benchmark import Sample
 
     built, used = [], []
@@ -133,8 +134,17 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
             used.append(name)
             return Sample(name, 0, 0, [1] * max_tokens, 0.01, 4, 2, 2, {})
 
+        run.cpus = {"proposer": [0], "verifier": [1]} if name == "base" else {"proposer": None}
         yield {"cluster@0ms": run}
 
+    seen = {}
+
+    def summarise(rates, samples, oracle, cores=None):
+        seen["cores"] = cores
+        return real_summarise(rates, samples, oracle, cores)
+
+    real_summarise = muser.bench_sessions.summarise_sessions
+    monkeypatch.setattr(muser.bench_sessions, "summarise_sessions", summarise)
     monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
     receipt = tmp_path / "r.json"
     code = main(["bench", "--suite", "sessions", "--sessions", "1,2", "--temperature", "1",
@@ -143,6 +153,7 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
     out = capsys.readouterr().out
     assert code == 0
     assert built == [("base", None), ("b1", {"lane.speculate_branches": "1"})]
+    assert seen["cores"] == {"": {"proposer": 1, "verifier": 1}}  # b1's proposer: not pinned
     assert used.count("base") == used.count("b1") == 1 + 2 * (1 + 2)  # warm-up, 2 × (N=1, N=2)
     assert "×base" in out.splitlines()[0] and any(
         line.split()[0] == "2[b1]" for line in out.splitlines()[1:]

@@ -148,6 +148,32 @@ def test_cpu_per_session_round_counts_each_wave_once():
     assert list(cpu) == ["proposer"]
 
 
+def test_a_pinned_clusters_rows_get_the_bound_of_its_busiest_core():
+    """N sessions' rounds share the daemons' cores: at most 1000 / (busiest core's CPU ms per
+    session-round) session-rounds a second, each emitting the row's tokens per round."""
+
+    def run(n, repeat, prompt, cpu, variant=""):
+        s = sample(n, prompt, [1, 2, 3, 4], repeat, variant)  # 4 tokens in 2 rounds
+        s.split_s = {"run_wall": 1.0, **cpu}
+        return s
+
+    cpu = {"run_cpu_proposer": 0.010, "run_cpu_verifier": 0.008}  # a wave: 10 and 8 ms
+    samples = [run(1, 0, 0, cpu), run(8, 0, 0, cpu), run(8, 0, 1, cpu), run(8, 0, 0, cpu, "v")]
+    rates = {"sessions=1": [100.0], "sessions=8": [300.0], "sessions=8[v]": [280.0]}
+    cores = {"": {"proposer": 1, "verifier": 1}}  # the variant's daemons placed by the OS
+    out = summarise_sessions(rates, samples, None, cores)
+    row = out["sessions=8"]  # 10 ms of the proposer's over 4 session-rounds: 2.5 ms each
+    assert row["tokens_per_session_round"] == 2.0
+    assert row["busiest_core"] == "proposer"
+    assert row["core_bound_tokens_per_s"] == pytest.approx(2.0 / 0.0025)
+    assert row["core_bound_ratio_to_1"] == pytest.approx(800.0 / 100.0)
+    assert out["sessions=1"]["core_bound_tokens_per_s"] == pytest.approx(2.0 / 0.005)
+    assert "core_bound_tokens_per_s" not in out["sessions=8[v]"]
+    line = format_sessions(out).splitlines()[2]
+    assert line.endswith("(busiest core, proposer: ≤ 800.0 tok/s, 8.00×1)")
+    assert "core_bound_tokens_per_s" not in summarise_sessions(rates, samples, None)["sessions=8"]
+
+
 def test_a_wave_reads_the_lanes_daemons_around_all_its_runs():
     from muser.bench_sessions import run_concurrent
 
