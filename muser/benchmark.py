@@ -316,8 +316,8 @@ def _wire_bounds(emitted: int, rounds: int, split: dict[str, float], rtt: float)
 def core_bound(row: dict, cores: dict[str, int]) -> dict:
     """A lane whose processes are each confined to `cores[role]` CPUs spends, per round,
     at least its busiest process's CPU ms a round divided by that process's CPUs: no round
-    is shorter (no batch of rounds, for concurrent sessions), so no run beats tokens per
-    round over that (`core_bound_tokens_per_s`). `row` has `cpu_ms_per_round` ({role: ms})
+    is shorter (with concurrent sessions, no session-round on average), so no run beats
+    tokens per round over that (`core_bound_tokens_per_s`). `row` has `cpu_ms_per_round` ({role: ms})
     and `tokens_per_round`. {} unless every measured process has a known CPU count."""
     cpu = row.get("cpu_ms_per_round") or {}
     if not cpu or not row.get("tokens_per_round") or any(not cores.get(r) for r in cpu):
