@@ -308,17 +308,21 @@ class Drafter:
         ):
             return []
         none = _no_draws()  # greedy drafting draws nothing
+        rejected = [
+            (k, [*current.drafts[:k], current.runners_up[k]])
+            for k in range(depth)
+            if depths[k] is not None
+        ]
+        rejected = [(k, e) for k, e in rejected if not any(t in stop_tokens for t in e)]
+        cursors = self._clones(len(rejected) + (depths[depth] is not None))
         work: list[tuple[KvCursor, Steps]] = []
-        for k in range(depth):
-            emitted = [*current.drafts[:k], current.runners_up[k]]
-            if depths[k] is not None and not any(t in stop_tokens for t in emitted):
-                guesses.append(emitted)  # read by the event loop's thread: one append
-                cursor = self._clone()
-                halt = _Unchosen(stop, chosen, emitted)
-                steps = self._draft([*transcript, *emitted], none, depths[k], halt, cursor)
-                work.append((cursor, _speculation(emitted, depths[k], steps)))
+        for (k, emitted), cursor in zip(rejected, cursors[: len(rejected)], strict=True):
+            guesses.append(emitted)  # read by the event loop's thread: one append
+            halt = _Unchosen(stop, chosen, emitted)
+            steps = self._draft([*transcript, *emitted], none, depths[k], halt, cursor)
+            work.append((cursor, _speculation(emitted, depths[k], steps)))
         if depths[depth] is not None:
-            cursor = self._clone()
+            cursor = cursors[-1]
             work.append((cursor, self._accepted_branch(
                 transcript, current, cursor, depths[depth], stop_tokens, stop, guesses, chosen
             )))  # fmt: skip
@@ -342,12 +346,22 @@ class Drafter:
         steps = self._draft([*transcript, *emitted], _no_draws(), depth, halt, cursor)
         return (yield from _speculation(emitted, depth, steps))
 
-    def _clone(self) -> KvCursor:
-        """A cursor on a clone of this drafter's sequence, holding what it holds."""
-        cursor = KvCursor(self.cursor.backend.clone())
-        cursor.tokens, cursor.last_row = list(self.cursor.tokens), self.cursor.last_row
-        cursor.backend._muser_cursor = cursor
-        return cursor
+    def _clones(self, n: int) -> list[KvCursor]:
+        """`n` cursors on clones of this drafter's sequence, each holding what it holds: the
+        rows of one group where the sequence makes them (`TorchSequence.clones`: the batched
+        forwards of `run_together` then read their KV in place), else one clone each."""
+        if n == 0:
+            return []
+        backend = self.cursor.backend
+        many = getattr(backend, "clones", None)
+        seqs = many(n) if callable(many) else [backend.clone() for _ in range(n)]
+        cursors = []
+        for seq in seqs:
+            cursor = KvCursor(seq)
+            cursor.tokens, cursor.last_row = list(self.cursor.tokens), self.cursor.last_row
+            seq._muser_cursor = cursor
+            cursors.append(cursor)
+        return cursors
 
     def adopt_branch(self, branch: Branch) -> None:
         """`branch`'s guess held: its clone becomes this drafter's sequence (the old one's KV

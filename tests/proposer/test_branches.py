@@ -252,3 +252,28 @@ def test_the_draft_queue_counts_jobs_until_their_results_are_out():
         return counts
 
     assert asyncio.run(scenario()) == [2, 0]
+
+
+def test_branches_draft_on_the_rows_of_one_group_where_the_sequence_makes_them(natural):
+    """The branch job's clones are one group's consecutive rows (their batched forwards read
+    the KV in place); a sequence without `clones` gets one clone each."""
+    backend, prompts = natural
+    drafter = Drafter(backend.sequence(), GREEDY)
+    drafter.draft(prompts[0], STATE, 4)
+    cursors = drafter._clones(3)
+    rows = [c.backend._row for c in cursors]
+    assert [r[1] for r in rows] == [0, 1, 2] and len({id(r[0]) for r in rows}) == 1
+    assert all(c.tokens == drafter.cursor.tokens and c.holds(c.tokens) for c in cursors)
+    assert drafter._clones(0) == []
+
+    class OneByOne:  # the drafter's sequence, without `clones`
+        def __init__(self, seq):
+            self.seq, self.made = seq, 0
+
+        def clone(self):
+            self.made += 1
+            return self.seq.clone()
+
+    one = OneByOne(drafter.cursor.backend)
+    drafter.cursor.backend = one
+    assert len(drafter._clones(2)) == 2 and one.made == 2

@@ -100,7 +100,8 @@ class _BatchKv:
     `update` writes each row's new keys/values into its sequence's own buffers (after the
     sequence's committed length) and returns every row's keys/values [0, length + new),
     right-padded with zeros to the longest: the mask hides the padding. One sequence reads
-    its buffers in place (no copy). Lengths move only once the whole forward succeeded
+    its buffers in place (no copy), and so do clones that are consecutive rows of one group
+    (`TorchSequence.clones`), their padding what their rows hold there. Lengths move only once the whole forward succeeded
     (`TorchSequence._commit`), so a failed forward leaves every sequence as it was."""
 
     def __init__(self, seqs: list[TorchSequence], counts: list[int]) -> None:
@@ -114,6 +115,12 @@ class _BatchKv:
         if len(rows) == 1:
             k, v = rows[0]
             return k.unsqueeze(0), v.unsqueeze(0)
+        group = self._group()
+        if group is not None:  # the rows of one tensor, in order: read in place
+            keys, values, first = group
+            rows_of = slice(first, first + len(rows))
+            keys, values = keys[layer_idx][rows_of], values[layer_idx][rows_of]
+            return keys[:, :, : self.total], values[:, :, : self.total]
         b, h, _, d = key_states.shape
         keys = key_states.new_zeros((b, h, self.total, d))
         values = value_states.new_zeros((b, h, self.total, d))
@@ -121,6 +128,18 @@ class _BatchKv:
             keys[i, :, : k.shape[1]] = k
             values[i, :, : v.shape[1]] = v
         return keys, values
+
+    def _group(self) -> tuple | None:
+        """(keys, values, first row) when the sequences are consecutive rows of one group
+        (`TorchSequence.clones`), in order, each still on its row's buffers; else None."""
+        first = self.seqs[0]._row
+        if first is None:
+            return None
+        group, row = first
+        for i, seq in enumerate(self.seqs):
+            if seq._row is None or seq._row[0] is not group or seq._row[1] != row + i:
+                return None
+        return group[0], group[1], row
 
 
 class TorchSequence:
@@ -133,6 +152,9 @@ class TorchSequence:
         self._tokens: list[int] = []
         self._keys: list = []
         self._values: list = []
+        self._row: tuple | None = None
+        """(group, row) while this sequence's buffers are row `row` of a group's tensors
+        (`clones`); None once it has buffers of its own."""
 
     @property
     def vocab_size(self) -> int:
@@ -168,6 +190,29 @@ class TorchSequence:
         """Drop the whole KV, buffers included."""
         self._tokens.clear()
         self._keys, self._values = [], []
+        self._row = None
+
+    def clones(self, n: int) -> list[TorchSequence]:
+        """`n` clones (`clone`) whose buffers are the rows of one tensor per layer, keys and
+        values: a forward over all of them, in this order, reads their KV in place instead of
+        copying it into a padded batch (the proposer drafts its guesses on such clones).
+        Beyond each clone's length its row holds zeros or keys it rolled back: the mask
+        hides them, as it hides the padding of a copied batch."""
+        if n < 1:
+            raise ValueError(f"clones({n!r}): expected n >= 1")
+        twins = [TorchSequence(self.owner) for _ in range(n)]
+        group: tuple[list, list] = ([], [])
+        for buffers, mine in zip(group, (self._keys, self._values), strict=True):
+            for buf in mine:
+                rows = buf.new_zeros((n, *buf.shape))
+                rows[:, :, : self.length] = buf[:, : self.length]
+                buffers.append(rows)
+        for i, twin in enumerate(twins):
+            twin._tokens = list(self._tokens)
+            twin._keys = [rows[i] for rows in group[0]]
+            twin._values = [rows[i] for rows in group[1]]
+            twin._row = (group, i) if self._keys else None
+        return twins
 
     def clone(self) -> TorchSequence:
         """A new sequence of the same backend holding a copy of this one's KV: the two then
@@ -183,6 +228,7 @@ class TorchSequence:
         """Store new keys/values (heads, n, dim) after `length`; return [0, length + n)."""
         start, end = self.length, self.length + k.shape[1]
         if layer == len(self._keys):
+            self._row = None  # buffers of its own from here on
             cap = max(64, 1 << (end - 1).bit_length())
             shape = (k.shape[0], cap, k.shape[2])
             self._keys.append(k.new_empty(shape))
@@ -195,6 +241,7 @@ class TorchSequence:
             grown_k[:, :start] = buf_k[:, :start]
             grown_v[:, :start] = buf_v[:, :start]
             self._keys[layer], self._values[layer] = buf_k, buf_v = grown_k, grown_v
+            self._row = None  # off its group's row
         buf_k[:, start:end] = k
         buf_v[:, start:end] = v
         return buf_k[:, :end], buf_v[:, :end]
