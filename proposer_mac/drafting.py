@@ -368,6 +368,9 @@ class Drafter:
         is dropped), standing where the post-result draft would have left it."""
         old, self.cursor = self.cursor.backend, branch.cursor
         old.reset()
+        leave = getattr(branch.cursor.backend, "leave_group", None)
+        if callable(leave):  # its group's other rows are dropped: keep only its own KV
+            leave()
         self._checkpoint = None
 
     def adopt(self) -> None:

@@ -94,3 +94,19 @@ def test_clones_of_an_empty_sequence_and_a_count_below_one(checkpoint):
     assert np.array_equal(rows[0], rows[1])
     with pytest.raises(ValueError, match=r"clones\(0\): expected n >= 1"):
         backend.sequence().clones(0)
+
+
+def test_a_clone_that_leaves_its_group_keeps_its_kv_in_buffers_of_its_own(checkpoint):
+    backend = build_backend("torch", checkpoint("llama"))
+    base = backend.sequence()
+    base.evaluate(PROMPT[:9])
+    kept, dropped = base.clones(2)
+    twin = base.clone()
+    kept.leave_group()
+    dropped.reset()
+    assert kept._row is None and all(k._base is None for k in kept._keys)  # not views
+    for t in PROMPT[9:14]:
+        assert np.array_equal(kept.evaluate([t]), twin.evaluate([t]))
+    own = list(twin._keys)
+    twin.leave_group()  # buffers of its own already: nothing changes
+    assert all(a is b for a, b in zip(own, twin._keys, strict=True))

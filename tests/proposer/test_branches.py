@@ -82,8 +82,10 @@ def test_an_adopted_branch_is_the_sessions_kv_and_the_old_one_is_dropped(natural
     old = drafter.cursor.backend
     got, _ = branches(drafter, prompt, current, [4] * 5)
     chosen = got[1]  # the first draft accepted, the second rejected for its runner-up
+    assert chosen.cursor.backend._row is not None  # a row of the branches' group
     drafter.adopt_branch(chosen)
     assert drafter.cursor is chosen.cursor and old.length == 0
+    assert chosen.cursor.backend._row is None  # it left the group: buffers of its own
     transcript = [*prompt, *chosen.speculation.emitted]
     assert drafter.draft(transcript, STATE, 4).drafts == chosen.speculation.proposal.drafts
     # and the round after it drafts as a drafter that never branched

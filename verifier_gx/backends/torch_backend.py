@@ -101,8 +101,9 @@ class _BatchKv:
     sequence's committed length) and returns every row's keys/values [0, length + new),
     right-padded with zeros to the longest: the mask hides the padding. One sequence reads
     its buffers in place (no copy), and so do clones that are consecutive rows of one group
-    (`TorchSequence.clones`), their padding what their rows hold there. Lengths move only once the whole forward succeeded
-    (`TorchSequence._commit`), so a failed forward leaves every sequence as it was."""
+    (`TorchSequence.clones`), their padding what their rows hold there. Lengths move only
+    once the whole forward succeeded (`TorchSequence._commit`), so a failed forward leaves
+    every sequence as it was."""
 
     def __init__(self, seqs: list[TorchSequence], counts: list[int]) -> None:
         self.seqs, self.counts = seqs, counts
@@ -213,6 +214,15 @@ class TorchSequence:
             twin._values = [rows[i] for rows in group[1]]
             twin._row = (group, i) if self._keys else None
         return twins
+
+    def leave_group(self) -> None:
+        """Copy this clone's row out of its group (`clones`) into buffers of its own, so the
+        group's tensors are freed once its other clones are dropped (the proposer keeps the
+        clone whose guess held); nothing for a sequence that has buffers of its own."""
+        if self._row is not None:
+            self._keys = [k.clone() for k in self._keys]
+            self._values = [v.clone() for v in self._values]
+            self._row = None
 
     def clone(self) -> TorchSequence:
         """A new sequence of the same backend holding a copy of this one's KV: the two then
