@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from muser.affinity import pinned
-from muser.benchmark import LaneFn, Sample, core_bound
+from muser.benchmark import LaneFn, Sample, core_bound, core_bound_note
 from muser.procs import cpu_since
 from muser.sampling import SamplingParams
 
@@ -140,10 +140,7 @@ def summarise_sessions(
         row["tokens_per_session_round"] = (
             sum(len(s.tokens) for s in mine) / rounds if rounds else None
         )
-        bound = core_bound(
-            {"cpu_ms_per_round": cpu, "tokens_per_round": row["tokens_per_session_round"]},
-            (cores or {}).get(variant, {}),
-        )
+        bound = core_bound(cpu, row["tokens_per_session_round"], (cores or {}).get(variant, {}))
         if bound and ref:
             ceiling = bound["core_bound_tokens_per_s"]
             bound[f"core_bound_ratio_to_{base_n}"] = ceiling / statistics.median(ref)
@@ -189,10 +186,7 @@ def format_sessions(summary: dict[str, dict]) -> str:
         cpu = r.get("cpu_ms_per_session_round") or {}
         cpu_s = "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) or "-"
         if r.get(f"core_bound_{base}"):
-            cpu_s += (
-                f"  (busiest core, {r['busiest_core']}: ≤ {r['core_bound_tokens_per_s']:.1f}"
-                f" tok/s, {r[f'core_bound_{base}']:.2f}×{base[9:]})"
-            )
+            cpu_s += core_bound_note(r, r[f"core_bound_{base}"], base[9:])
         vs = f"{r['ratio_to_base']:.2f}" if "ratio_to_base" in r else "-"
         lines.append(
             f"{names[key]:>{w}} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "

@@ -313,22 +313,31 @@ def _wire_bounds(emitted: int, rounds: int, split: dict[str, float], rtt: float)
     }
 
 
-def core_bound(row: dict, cores: dict[str, int]) -> dict:
+def core_bound(cpu_ms: dict[str, float], tokens_per_round: float | None,
+               cores: dict[str, int]) -> dict:  # fmt: skip
     """A lane whose processes are each confined to `cores[role]` CPUs spends, per round,
-    at least its busiest process's CPU ms a round divided by that process's CPUs: no round
-    is shorter (with concurrent sessions, no session-round on average), so no run beats
-    tokens per round over that (`core_bound_tokens_per_s`). `row` has `cpu_ms_per_round` ({role: ms})
-    and `tokens_per_round`. {} unless every measured process has a known CPU count."""
-    cpu = row.get("cpu_ms_per_round") or {}
-    if not cpu or not row.get("tokens_per_round") or any(not cores.get(r) for r in cpu):
+    at least its busiest process's CPU ms a round (`cpu_ms[role]`) divided by that process's
+    CPUs: no round is shorter (with concurrent sessions, no session-round on average), so no
+    run beats `tokens_per_round` over that (`core_bound_tokens_per_s`). {} unless every
+    measured process has a known CPU count."""
+    if not cpu_ms or not tokens_per_round or any(not cores.get(r) for r in cpu_ms):
         return {}
-    role = max(cpu, key=lambda r: cpu[r] / cores[r])
-    busiest = cpu[role] / cores[role]
+    role = max(cpu_ms, key=lambda r: cpu_ms[r] / cores[r])
+    busiest = cpu_ms[role] / cores[role]
     return {
         "busiest_core": role,
         "busiest_core_ms_per_round": busiest,
-        "core_bound_tokens_per_s": 1e3 * row["tokens_per_round"] / busiest,
+        "core_bound_tokens_per_s": 1e3 * tokens_per_round / busiest,
     }
+
+
+def core_bound_note(row: dict, ratio: float, against: str) -> str:
+    """The CPU line's ending for a row with a `core_bound`: "(busiest core, ROLE: ≤ RATE
+    tok/s, RATIO×AGAINST)"."""
+    return (
+        f"  (busiest core, {row['busiest_core']}: ≤ {row['core_bound_tokens_per_s']:.1f} tok/s, "
+        f"{ratio:.2f}×{against})"
+    )
 
 
 def _overhead_ms(samples: list[Sample]) -> float | None:
@@ -397,7 +406,10 @@ def summarise(
         out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
         out[lane]["cpu_ms_per_round"] = _cpu_ms(all_s, rounds)
         out[lane] |= _wire_bounds(emitted, rounds, split, (rtt_s or {}).get(lane, 0.0))
-        out[lane] |= core_bound(out[lane], (cores or {}).get(lane, {}))
+        row = out[lane]
+        row |= core_bound(
+            row["cpu_ms_per_round"], row["tokens_per_round"], (cores or {}).get(lane, {})
+        )
     plain_compute = out.get("plain", {}).get("verifier_ceiling")  # plain decode's compute rate
     for row in out.values():
         predicted = row["predicted_tokens_per_s"]
@@ -479,12 +491,8 @@ def format_table(summary: dict) -> str:
         for lane, cpu in cpus:
             total = f"  total {sum(cpu.values()):.2f}" if len(cpu) > 1 else ""
             row = summary[lane]
-            bound = ""
-            if row.get("core_bound_ratio_to_local"):
-                bound = (
-                    f"  (busiest core, {row['busiest_core']}: ≤ {row['core_bound_tokens_per_s']:.1f}"
-                    f" tok/s, {row['core_bound_ratio_to_local']:.2f}× local)"
-                )
+            ratio = row.get("core_bound_ratio_to_local")
+            bound = core_bound_note(row, ratio, " local") if ratio else ""
             lines.append(
                 f"  {lane:<18} " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + total + bound
             )
