@@ -63,7 +63,14 @@ tests/lanes/test_local_lane.py), so 1e-4 leaves ~9x headroom while a lane whose 
 from the wrong position or cache differs by orders of magnitude more. Reduced-precision
 targets (bfloat16, float16) need a wider `--tolerance`, which the receipt records."""
 UNBOUND_LANE_KNOBS = frozenset(
-    {"receipt", "acceptance_floor", "speculate", "speculate_branches", "lookahead"}
+    {
+        "receipt",
+        "acceptance_floor",
+        "speculate",
+        "speculate_branches",
+        "lookahead",
+        "send_on_decision",
+    }
 )
 """Lane fields that are not lane params: where the receipt lives, the floor (checked
 against the recorded acceptance instead, so raising it above the evidence voids the receipt),
@@ -71,7 +78,8 @@ and speculation, which only decides when a draft is computed, never what it is
 (tests/proposer/test_speculation.py holds speculative drafts bit-equal to plain ones).
 Greedy branches draft in batched forwards on clones, whose rows may differ from a lone
 forward's in the last bits, as `draft_batch` does: that can move a draft, never a greedy
-token (each is the target's own pick)."""
+token (each is the target's own pick). `send_on_decision` only decides when a request goes
+out, never what it says."""
 
 
 class QualificationError(ConfigError):

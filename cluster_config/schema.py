@@ -195,6 +195,14 @@ class Lane(_Strict):
         "nothing else to draft (needs draft_batch and a torch draft; 0: full acceptance "
         "only; never changes the tokens).",
     )
+    send_on_decision: bool = Field(
+        True,
+        description="Journal and send round r+1's request as soon as round r's early "
+        "decision is in and the draft on it is ready, before r's signed result: its head is "
+        "the one r's result must carry, so the verifier takes it right after committing r. "
+        "A result that differs from its decision voids it (refused there, nothing written) "
+        "and r+1 is drafted again. Never changes the tokens.",
+    )
     lookahead: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Name each round drafted ahead to the verifier before its request "

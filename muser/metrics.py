@@ -18,6 +18,8 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_speculation_hits_total            counter    speculative drafts used (guess held)
     muser_speculation_branch_hits_total     counter    hits after a rejected draft (greedy branches)
     muser_decisions_followed_total          counter    next drafts started on an early decision
+    muser_sent_ahead_total                  counter    requests sent on the round before's decision
+    muser_ahead_void_total                  counter    of those, voided by a differing result
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
     muser_rounds_by_draft_len_total{draft_len} counter rounds per draft width D (lane.width)
@@ -287,6 +289,18 @@ class StatsCollector(Collector):
                 "Next drafts started on the verifier's early decision, before its signed "
                 "result (proposer).",
                 lane.decisions_followed,
+            ),
+            (
+                "muser_sent_ahead",
+                "Requests journaled and sent on the early decision of the round before them, "
+                "ahead of its signed result (proposer, lane.send_on_decision).",
+                lane.sent_ahead,
+            ),
+            (
+                "muser_ahead_void",
+                "Requests sent ahead and voided: the signed result of the round before "
+                "differed from its early decision (proposer).",
+                lane.ahead_void,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

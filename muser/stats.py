@@ -137,6 +137,11 @@ class LaneStats:
     decisions_followed: int = 0
     """Next drafts started on the verifier's early decision, before its signed result,
     because the guess was wrong or missing (used when the result agreed: a hit)."""
+    sent_ahead: int = 0
+    """Requests journaled and sent on the early decision of the round before them, ahead
+    of its signed result (lane.send_on_decision)."""
+    ahead_void: int = 0
+    """Of those, requests voided because the signed result differed from its decision."""
     queue_full_retries: int = 0
     """Rounds re-sent because the verifier's round queue was full (proposer)."""
     speculation_s: float = 0.0
@@ -195,7 +200,8 @@ class LaneStats:
         for name in (
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
-            "queue_full_retries", "decisions_followed", "branch_hits",
+            "queue_full_retries", "decisions_followed", "branch_hits", "sent_ahead",
+            "ahead_void",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -254,6 +260,8 @@ class LaneStats:
                 "hits": self.speculation_hits,
                 "branch_hits": self.branch_hits,
                 "on_decision": self.decisions_followed,
+                "sent_ahead": self.sent_ahead,
+                "ahead_void": self.ahead_void,
                 "seconds": round(self.speculation_s, 6),
             },
             "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},

@@ -92,6 +92,7 @@ class ProposerCore:
             channel=self.channel,
             speculate=config.lane.speculate,
             branches=config.lane.speculate_branches,
+            send_on_decision=config.lane.send_on_decision,
             lookahead=lookahead_on(config.lane.lookahead, config.verifier.address),
             batch_with=draft if self.draft_batch else None,
         )
@@ -206,7 +207,7 @@ class ProposerCore:
                 session.apply(result)
                 session.last_result = signed
                 session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
-            session.prepared = js.prepared
+            session.prepared, session.ahead = js.prepared, js.ahead
             session.done = session.done or js.done
             runner = self._runner(session)
             if not session.done:

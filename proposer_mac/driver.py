@@ -17,6 +17,22 @@ one. What can be lost to a crash is unchanged: a result whose COMMITTED is not d
 asked for again by re-sending PREPARED(r), which the verifier answers from its WAL byte for
 byte. Clients see round r's tokens once the next draft is ready (at once when it was
 drafted ahead, which is most rounds).
+
+Sending on the decision (lane.send_on_decision, `_send_ahead`): the verifier tells round r's
+decision before its commit and signed result, and every digest of that result but the
+signature is the proposer's own to compute (`ProposerSession.predict`), the head it chains
+to included. So once the next draft on that decision is ready, round r+1's request is built
+on that head, journaled (PREPARED r+1, before COMMITTED r) and sent while the verifier still
+commits and signs r; the verifier takes it right after r. When r's signed result arrives
+and checks, COMMITTED r is written alone and r+1 is already in flight. The guarantees stay:
+PREPARED r+1 is durable before its request leaves, COMMITTED r before r's tokens reach
+clients and before the ack of r, and what r emits is only ever what its signed result says.
+A result that differs from its decision (a verifier that recomputed r after a restart, or a
+faulty one) voids the request sent ahead: its head is not the verifier's, so the fenced head
+check refuses it and nothing is written there; the driver drops that stream (it carries the
+refusal), drafts r+1 again, and its PREPARED takes the void one's place in the journal
+(`journal.replay`). A restart between PREPARED r+1 and COMMITTED r re-sends r, then r+1
+once r's result carries the head it expects.
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from muser import logs
 from muser.backend import MultiSequenceBackend
-from muser.records import Signed, advance, close_message, draws_for_round
+from muser.records import Signed, advance, close_message, draws_for_round, request_of
 from muser.round import clip_emission
 from muser.stats import LaneStats
 from muser.tasks import in_background
@@ -45,7 +61,7 @@ from proposer_mac import journal
 from proposer_mac.draft_queue import DraftQueue
 from proposer_mac.drafting import Branch, Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
-from proposer_mac.session import ProposerSession
+from proposer_mac.session import Outcome, ProposerSession
 from proposer_mac.speculating import Speculating, drop_clones, held_guess
 
 log = logging.getLogger("muser.proposer")
@@ -91,6 +107,8 @@ class SessionRunner:
         """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
         self.cancelled = False
         """Set by `cancel`: the session ends after the round in flight."""
+        self._sending: asyncio.Future | None = None
+        """Round r + 1 going out on round r's early decision (`_send_ahead`)."""
 
     def start(self) -> None:
         self.task = asyncio.create_task(
@@ -131,6 +149,8 @@ class SessionRunner:
             log.error("session %s failed: %s", self.session.session_id.hex()[:8], exc)
             self.error = exc
         finally:
+            if self._sending is not None:
+                self._sending.cancel()  # a failed session sends nothing more ahead
             if self.owns_draft_kv:  # in the draft thread: after any speculation still running
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self.core.draft_pool, self.drafter.cursor.backend.reset)
@@ -227,25 +247,85 @@ class SessionRunner:
                 speculation.stop.set()  # not what it drafted on: stop between two forwards
             elif speculation.drafts_on(tokens):
                 speculation.choose(tokens)
-            t0, ready = time.perf_counter(), speculation.future.done()
-            spec, seconds = await speculation.future
-            self.stats.speculation_s += seconds
-            self.stats.speculated += 1
             s = self.session
             depth = s.width.choose(s.params.max_tokens - len(s.emitted))
-            held = held_guess(spec, tokens, depth)
-            drop_clones(spec, keep=held)  # the clones whose guesses failed
-            if held is not None:
-                self.stats.speculation_hits += 1
-                if isinstance(held, Branch):
-                    self.drafter.adopt_branch(held)
-                    if len(tokens) <= len(speculation.drafts):  # a draft was rejected
-                        self.stats.branch_hits += 1
-                    held = held.speculation
-                else:
-                    self.drafter.adopt()
-                return held.proposal, 0.0 if ready else time.perf_counter() - t0
+            taken = await self._take(speculation, tokens, depth)
+            if taken is not None:
+                self._hit(taken)
+                return taken.proposal, taken.waited
         return await self._start_draft()
+
+    def _hit(self, taken: _Taken) -> None:
+        """A draft made ahead was used."""
+        self.stats.speculation_hits += 1
+        self.stats.branch_hits += taken.branch_hit
+
+    async def _take(
+        self, speculation: Speculating, tokens: list[int], depth: int | None, miss: bool = True
+    ) -> _Taken | None:
+        """Wait for `speculation`'s job; when it drafted `depth` tokens (None: any number) on
+        a round that emitted `tokens`, adopt that guess and return it (the caller counts the
+        hit once the draft is used, `_hit`). Otherwise None, its clones dropped (kept, with
+        the job not counted, when `miss` is False: the caller gives the job to `_next_draft`
+        later)."""
+        t0, ready = time.perf_counter(), speculation.future.done()
+        spec, seconds = await speculation.future
+        held = held_guess(spec, tokens, depth)
+        if held is None and not miss:
+            return None
+        self.stats.speculation_s += seconds
+        self.stats.speculated += 1
+        drop_clones(spec, keep=held)  # the clones whose guesses failed
+        if held is None:
+            return None
+        branch_hit = False
+        if isinstance(held, Branch):
+            self.drafter.adopt_branch(held)
+            branch_hit = len(tokens) <= len(speculation.drafts)  # a draft was rejected
+            held = held.speculation
+        else:
+            self.drafter.adopt()
+        return _Taken(held.proposal, 0.0 if ready else time.perf_counter() - t0, branch_hit)
+
+    async def _sent_ahead(self) -> _Ahead | None:
+        """What `_send_ahead` sent on the round just decided (None: nothing)."""
+        return await self._sending if self._sending is not None else None
+
+    async def _send_ahead(
+        self, stream: RoundStream, speculation: Speculating, outcome: Outcome
+    ) -> _Ahead | None:
+        """Round r's early decision is in: once the next draft on that outcome is ready,
+        build round r + 1's request on the head r's result will carry if it says the same
+        (`ProposerSession.predict`), journal its PREPARED and send it, before r's signed
+        result (lane.send_on_decision). The verifier takes it after r; a result that
+        says otherwise voids it (the verifier refuses its head, nothing written) and the
+        driver drafts r + 1 again. None when nothing went ahead."""
+        s = self.session
+        if not speculation.drafts_on(outcome.emitted):
+            return None
+        max_tokens, stops = s.params.max_tokens, s.params.stop_tokens
+        clip = clip_emission(outcome.emitted, outcome.produced, max_tokens, stops)
+        if clip.done:
+            return None
+        taken = await self._take(speculation, outcome.emitted, None, miss=False)
+        if taken is None:
+            return None
+        proposal = taken.proposal
+        remaining = max_tokens - outcome.produced - len(clip.tokens)
+        decode_len = 1 if proposal.drafts else s.width.decode_len(remaining)
+        signed = s.build_request(
+            proposal.drafts, proposal.q_rows, self.core.private, decode_len, after=outcome
+        )
+        await self.core.log.append_async(
+            journal.encode_prepared(s.session_id, outcome.round + 1, signed)
+        )
+        s.ahead = signed
+        try:
+            sent = await stream.send(signed)
+        except (LinkDown, RoundRefused):
+            sent = None  # sent again on the stream the driver goes on with
+        self.stats.sent_ahead += 1
+        return _Ahead(signed, taken, stream if sent is not None else None, sent)
 
     async def _drive(self) -> None:
         s, core = self.session, self.core
@@ -287,6 +367,20 @@ class SessionRunner:
                     speculation.told[:] = emitted
                     if speculation is not ahead and stream is not None and lookahead:
                         _look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
+                    if (
+                        core.send_on_decision
+                        and self._sending is None
+                        and stream is not None
+                        and not self.cancelled  # (a request already ahead still goes)
+                    ):
+                        outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier)
+                        if outcome is not None:  # (now: the result may come before the task runs)
+                            self._sending = asyncio.ensure_future(
+                                self._send_ahead(stream, speculation, outcome)
+                            )
+
+        on_wire: pb.RoundRequest | None = None
+        """The request in flight when it is already on `stream` (sent ahead)."""
 
         lookahead = core.lookahead
         backoff = 0.05
@@ -319,7 +413,10 @@ class SessionRunner:
                     stream = await core.attach(s)
                     backoff = 0.05
                 t0 = time.perf_counter()
-                signed, raw = await stream.round_trip(s.prepared, s.fragments, sent, decided)
+                wire, on_wire = on_wire, None  # re-sent after any failure below
+                signed, raw = await stream.round_trip(
+                    s.prepared, s.fragments, sent, decided, sent=wire
+                )
                 t1 = time.perf_counter()
             except LinkDown as exc:
                 log.warning(
@@ -367,6 +464,36 @@ class SessionRunner:
             # COMMITTED is written with the next PREPARED (module note): one fsync, not two
             checked = _Checked(result, signed, len(tokens), (t0, t1, start), raw, len(s.emitted))
             ack_due = result.round
+            try:
+                went = await self._sent_ahead()
+            except Exception:  # its draft failed: this round still becomes durable
+                await self._commit(checked)
+                raise
+            finally:
+                self._sending = None
+            if s.ahead is not None:  # round r + 1 was journaled on r's decision (now, or
+                ahead, s.ahead = s.ahead, None  # before a restart)
+                request = request_of(ahead)
+                if request.round == s.next_round and request.expected_head == s.head:
+                    await self._commit(checked)  # its PREPARED is durable already
+                    checked, s.prepared, speculation = None, ahead, None
+                    in_flight = to_speculate = None  # (recovered: no draft to go on from)
+                    if went is not None:
+                        self._hit(went.taken)
+                        in_flight = to_speculate = went.taken.proposal
+                        on_wire = went.sent if went.stream is stream else None
+                    continue
+                # the signed result is not what its decision said: that request is void (its
+                # head is not the verifier's) and the stream will carry its refusal
+                log.warning(
+                    "session %s round %d: the result differs from its early decision; "
+                    "round %d is drafted again", s.session_id.hex()[:8], result.round,
+                    s.next_round,
+                )  # fmt: skip
+                self.stats.ahead_void += 1
+                if stream is not None:
+                    stream.close()
+                stream, speculation = None, None
             if not s.done and not self.cancelled:
                 drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
             elif speculation is not None:
@@ -410,6 +537,28 @@ class SessionRunner:
 
 
 @dataclass(frozen=True)
+class _Taken:
+    """A draft made ahead, adopted (`SessionRunner._take`)."""
+
+    proposal: Draft
+    waited: float
+    """Seconds waited for it."""
+    branch_hit: bool
+    """A branch on a rejected draft drafted it."""
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """Round r + 1's request, journaled on round r's early decision (`_send_ahead`)."""
+
+    signed: Signed
+    taken: _Taken
+    stream: RoundStream | None
+    """The stream it went out on (None: journaled, not sent)."""
+    sent: pb.RoundRequest | None
+
+
+@dataclass(frozen=True)
 class _Checked:
     """A round's signed result, checked and applied in memory, whose COMMITTED is still to
     be written (`SessionRunner._commit`)."""
@@ -440,9 +589,13 @@ class DriverContext:
         branches: int = 2,
         batch_with: MultiSequenceBackend | None = None,
         lookahead: bool = False,
+        send_on_decision: bool = False,
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
         self.speculate = speculate
+        self.send_on_decision = send_on_decision
+        """Journal and send the next round's request on the early decision of the round in
+        flight (lane.send_on_decision; `SessionRunner._send_ahead`)."""
         """Draft round r+1 while round r is at the verifier (lane.speculate)."""
         self.lookahead = lookahead
         """Name each round drafted ahead to the verifier before its request (lane.lookahead,

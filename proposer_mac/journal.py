@@ -10,6 +10,12 @@ Entries (canonical, domain "proposer-journal"; a tag byte first):
 Replaying the journal rebuilds every session: transcript, head, MT state, the request still
 in flight (re-sent byte for byte on restart; the verifier answers it from its WAL).
 
+A PREPARED may run one round ahead: round r + 1's request, sent on round r's early decision
+before r's signed result (lane.send_on_decision), is journaled before COMMITTED r. It is the
+request in flight once COMMITTED r is replayed if it expects the head that result carries;
+otherwise it is void (the verifier's fenced head check refuses it, so it was never
+committed) and the PREPARED of round r + 1 journaled after it takes its place.
+
 Compaction: every request is journaled whole (its draft rows are most of a round's bytes),
 so the journal is snapshotted now and then (`snapshot_of`, domain
 "proposer-journal-snapshot"): every unfinished session as replay leaves it (open, epoch,
@@ -28,7 +34,10 @@ from muser.errors import RefusedError
 from muser.records import RoundRequest, RoundResult, SessionOpen, Signed, sha256
 
 DOMAIN = "proposer-journal"
-SNAPSHOT_DOMAIN = "proposer-journal-snapshot"
+SNAPSHOT_DOMAIN = "proposer-journal-snapshot-2"
+"""2: each session keeps the request journaled ahead of its round in flight, too."""
+SNAPSHOT_DOMAIN_1 = "proposer-journal-snapshot"
+"""The snapshot before requests went ahead: still read."""
 OPEN, PREPARED, COMMITTED, DONE = 1, 2, 3, 4
 
 
@@ -63,6 +72,8 @@ class JournaledSession:
     committed: list[Signed] = field(default_factory=list)
     prepared: Signed | None = None
     """The request in flight: PREPARED with no COMMITTED after it."""
+    ahead: Signed | None = None
+    """The next round's request, journaled on the early decision of the one in flight."""
     done: bool = False
 
 
@@ -80,18 +91,34 @@ def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
             sid, round_, signed = r.raw(16), r.u64(), Signed.decode(r.blob())
             s = sessions[sid]
             if tag == PREPARED:
-                s.prepared = signed
+                if round_ == len(s.committed):
+                    s.prepared = signed
+                elif round_ == len(s.committed) + 1 and s.prepared is not None:
+                    s.ahead = signed
+                else:
+                    raise ValueError(
+                        f"journal: round {round_} prepared after {len(s.committed)} committed"
+                    )
             else:
                 if round_ != len(s.committed):
                     raise ValueError(f"journal: round {round_} committed after {len(s.committed)}")
                 s.committed.append(signed)
-                s.prepared = None
+                s.prepared, s.ahead = next_in_flight(s.ahead, signed), None
         elif tag == DONE:
             sessions[r.raw(16)].done = True
         else:
             raise ValueError(f"journal: unknown entry tag {tag}")
         r.end()
     return sessions
+
+
+def next_in_flight(ahead: Signed | None, committed: Signed) -> Signed | None:
+    """The request journaled ahead of a round, once that round's result is `committed`:
+    in flight if it expects the head the result carries, else void (None)."""
+    if ahead is None:
+        return None
+    head = RoundResult.decode(committed.body).head
+    return ahead if RoundRequest.decode(ahead.body).expected_head == head else None
 
 
 def retained(
@@ -111,12 +138,19 @@ def snapshot_of(sessions: dict[bytes, JournaledSession], keep_finished: int) -> 
     for s in kept.values():
         w.blob(s.open.encode()).u64(s.epoch).u32s(s.prompt).u32(s.draft_len)
         w.blobs(signed.encode() for signed in s.committed)
-        w.blob(s.prepared.encode() if s.prepared is not None else b"").u32(int(s.done))
+        w.blob(s.prepared.encode() if s.prepared is not None else b"")
+        w.blob(s.ahead.encode() if s.ahead is not None else b"").u32(int(s.done))
     return w.bytes()
 
 
 def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
-    r = Reader(data, SNAPSHOT_DOMAIN)
+    try:
+        r, ahead = Reader(data, SNAPSHOT_DOMAIN), True
+    except RefusedError as exc:
+        try:  # written before requests went ahead
+            r, ahead = Reader(data, SNAPSHOT_DOMAIN_1), False
+        except RefusedError:
+            raise exc from None
     sessions: dict[bytes, JournaledSession] = {}
     for _ in range(r.u32()):
         open_ = SessionOpen.decode(r.blob())
@@ -124,6 +158,10 @@ def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
         s.committed = [Signed.decode(b) for b in r.blobs()]
         prepared = r.blob()
         s.prepared = Signed.decode(prepared) if prepared else None
+        request = r.blob() if ahead else b""
+        s.ahead = Signed.decode(request) if request else None
+        if s.ahead is not None and s.prepared is None:
+            raise RefusedError("journal snapshot: a request ahead with none in flight")
         done = r.u32()
         if done > 1:
             raise RefusedError(f"journal snapshot: done flag must be 0 or 1, got {done}")
@@ -188,7 +226,9 @@ class WalInterpreter:
 
         keys = keys_by_id(pubkeys) if pubkeys else None
         heads: dict[bytes, bytes] = {}
-        prepared: dict[bytes, Signed] = {}
+        prepared: dict[tuple[bytes, int], Signed] = {}
+        """Requests journaled and not yet answered, by (session, round): one may run a round
+        ahead of the one in flight (the module note)."""
         owner: dict[bytes, str] = {}
 
         def committed(where: str, sid: bytes, signed: Signed, request: Signed | None):
@@ -207,7 +247,7 @@ class WalInterpreter:
             return None
 
         def request(where: str, sid: bytes, signed: Signed) -> None:
-            prepared[sid] = signed
+            prepared[sid, RoundRequest.decode(signed.body).round] = signed
             if keys is not None and owner[sid] in keys:
                 keymod.verify(keys[owner[sid]], signed.body, signed.signature, where)
 
@@ -228,8 +268,9 @@ class WalInterpreter:
                         failure = f"{where}: {exc}"
                     if failure is not None:
                         return failure
-                if s.prepared is not None:
-                    request(f"snapshot at seq {floor}: session {sid.hex()[:8]}", sid, s.prepared)
+                for signed in (s.prepared, s.ahead):
+                    if signed is not None:
+                        request(f"snapshot at seq {floor}: session {sid.hex()[:8]}", sid, signed)
         for seq, payload in ((r.seq, r.payload) for r in records):
             if seq <= floor:
                 continue  # covered by the snapshot (kept until the next one drops it)
@@ -254,9 +295,9 @@ class WalInterpreter:
                 if tag == PREPARED:
                     request(where, sid, signed)
                     continue
-                if sid not in prepared:
+                if (sid, round_) not in prepared:
                     return f"{where}: result does not answer the PREPARED request before it"
-                failure = committed(where, sid, signed, prepared.pop(sid))
+                failure = committed(where, sid, signed, prepared.pop((sid, round_)))
                 if failure is not None:
                     return failure
             except RefusedError as exc:

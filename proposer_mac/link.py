@@ -112,14 +112,15 @@ class RoundStream:
         fragments: Callable[[], dict[bytes, bytes]],
         on_sent: Callable[[], None] | None = None,
         on_decision: Callable[[pb.Decision], None] | None = None,
+        sent: pb.RoundRequest | None = None,
     ) -> tuple[Signed, pb.RoundResult]:
-        """Send the request, answer a missing_fragments refusal once, return the result.
-        `on_decision` hears the verifier's early decision on this round (unsigned: a hint)."""
-        request = convert.request_to_pb(signed_request)
-        sent_fragments = False
-        await self._write(pb.ProposerMessage(request=request))
+        """Send the request (unless `send` already put it, `sent`, on this stream), answer a
+        missing_fragments refusal once, return the result. `on_decision` hears the verifier's
+        early decision on this round (unsigned: a hint)."""
+        request = sent if sent is not None else await self.send(signed_request)
         if on_sent is not None:
             on_sent()
+        sent_fragments = False
         while True:
             msg = await self._next()
             kind = msg.WhichOneof("kind")
@@ -149,6 +150,12 @@ class RoundStream:
                     continue
                 code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
                 raise RoundRefused(code, err.reason, err.message)
+
+    async def send(self, signed_request: Signed) -> pb.RoundRequest:
+        """Put a request on the stream; its result is read by a `round_trip` given it."""
+        request = convert.request_to_pb(signed_request)
+        await self._write(pb.ProposerMessage(request=request))
+        return request
 
     async def ack(self, round_: int) -> None:
         """Best effort: a lost ack only keeps fragments staged at the verifier longer, and a

@@ -10,6 +10,7 @@ and the head chain. Anything else is refused and never emitted.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -38,6 +39,21 @@ from muser.sampling import SamplingParams, SparseRow
 from muser.width import FixedWidth, WidthPolicy
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """The round in flight as its early decision says it ends (`ProposerSession.predict`)."""
+
+    round: int
+    emitted: list[int]
+    produced: int
+    """Tokens the session had emitted before it."""
+    head: bytes
+    """The head its signed result must carry."""
+    transcript: list[int]
+    state: Mt19937
+    """The MT state after its draws."""
+
+
 class ResultRejected(RefusedError):
     """A verifier result that does not check out; its tokens are never emitted."""
 
@@ -59,6 +75,10 @@ class ProposerSession:
     next_round: int = 0
     done: bool = False
     prepared: Signed | None = None
+    ahead: Signed | None = None
+    """The next round's request, journaled and sent on the early decision of the round in
+    flight (lane.send_on_decision): it goes next if that round's result carries the head it
+    expects, and is void otherwise."""
     last_result: Signed | None = None
     """The last round's signed result, once COMMITTED is journaled: the resume point an open
     carries, so a verifier that does not hold it (another node, a lost commit log) can go on
@@ -137,21 +157,67 @@ class ProposerSession:
         q_rows: list[SparseRow],
         private: Ed25519PrivateKey,
         decode_len: int = 1,
+        after: Outcome | None = None,
     ) -> Signed:
+        """The signed request of the next round; with `after`, of the round after the one in
+        flight, on that round's predicted outcome (`predict`)."""
+        round_, head, transcript, state = (
+            (self.next_round, self.head, self.transcript, self.state)
+            if after is None
+            else (after.round + 1, after.head, after.transcript, after.state)
+        )
         request = RoundRequest(
             self.session_id,
-            self.next_round,
+            round_,
             self.epoch,
-            self.head,
-            self.transcript[-1],
+            head,
+            transcript[-1],
             tuple(drafts),
             tuple(q_rows),
-            state_digest(self.state),
-            tuple(sha256(c) for c in transcript_chunks(self.transcript)),
+            state_digest(state),
+            tuple(sha256(c) for c in transcript_chunks(transcript)),
             self.open.proposer_key_id,
             decode_len,
         )
         return Signed.of(request, private.sign)
+
+    def predict(self, accepted: int, decoded: Sequence[int], next_frontier: int) -> Outcome | None:
+        """What the round in flight (`prepared`) leaves if the verifier decided it so (its
+        early decision): the head its result chains to, the transcript and the MT state after
+        it; the result's digests are all the proposer's own to compute. None when that
+        decision cannot be the result of this request, or the result attaches capture
+        fragments (their digests are the target's)."""
+        if self.prepared is None or self.open.capture_layers:
+            return None
+        request = request_of(self.prepared)
+        depth = len(request.drafts)
+        if not 0 <= accepted <= depth or (decoded and depth):
+            return None
+        emitted = [*request.drafts[:accepted], *decoded, int(next_frontier)]
+        post = advance(
+            self.state, draws_for_round(depth, accepted, self.params.greedy, len(emitted))
+        )
+        transcript = [*self.transcript, *emitted]
+        result = RoundResult(
+            self.session_id,
+            self.next_round,
+            self.epoch,
+            self.head,
+            sha256(self.prepared.body),
+            request.frontier,
+            request.drafts,
+            accepted,
+            int(next_frontier),
+            state_digest(post),
+            transcript_digest(transcript),
+            (),
+            b"",
+            "",
+            tuple(int(t) for t in decoded),
+        )
+        return Outcome(
+            self.next_round, emitted, len(self.emitted), result.expected_head(), transcript, post
+        )
 
     def check_result(
         self, signed_request: Signed, signed: Signed, verifiers: dict[str, Ed25519PublicKey]

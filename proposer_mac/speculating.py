@@ -67,11 +67,11 @@ def _release(future: asyncio.Future) -> None:
         drop_clones(future.result()[0])
 
 
-def held_guess(result, tokens: list[int], depth: int) -> Speculation | Branch | None:
+def held_guess(result, tokens: list[int], depth: int | None) -> Speculation | Branch | None:
     """The guess in a speculation job's result (one `Speculation`, or a list of `Branch`)
-    that drafted `depth` tokens on a round that emitted `tokens`, if any."""
+    that drafted `depth` tokens (None: any number) on a round that emitted `tokens`, if any."""
     for c, guess in _guesses(result):
-        if guess.emitted == tokens and guess.depth == depth:
+        if guess.emitted == tokens and depth in (None, guess.depth):
             return c
     return None
 

@@ -53,6 +53,9 @@ speculate_branches = 2
 # name each round drafted ahead to the verifier before its request, so it can evaluate it
 # early; auto: on unless the verifier is on this machine (loopback)
 lookahead = "auto"
+# send round r+1's request on round r's early decision, before its signed result (journaled
+# first; a result that differs voids it and r+1 is drafted again)
+send_on_decision = true
 # `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
 receipt = "qualification.json"
 acceptance_floor = 0.25

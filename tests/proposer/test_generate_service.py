@@ -295,12 +295,15 @@ def test_lookahead_auto_is_off_for_a_verifier_on_this_machine(setting, address, 
 
 @pytest.mark.asyncio
 async def test_a_decision_the_result_contradicts_changes_no_token(cluster, monkeypatch):
-    """The early decision is unsigned: a wrong one only wastes a draft."""
+    """The early decision is unsigned: a wrong one only wastes a draft, and the request sent
+    ahead on it (lane.send_on_decision) is void: the verifier refuses its head, nothing is
+    written there, and the round is drafted and sent again."""
+    from proposer_mac import journal
     from proposer_mac.link import RoundStream
 
     real, told = RoundStream.round_trip, []
 
-    async def lying(self, signed, fragments, on_sent=None, on_decision=None):
+    async def lying(self, signed, fragments, on_sent=None, on_decision=None, **kw):
         def lie(d):
             told.append(d.round)
             d = pb.Decision(
@@ -308,16 +311,24 @@ async def test_a_decision_the_result_contradicts_changes_no_token(cluster, monke
             )
             on_decision(d)
 
-        return await real(self, signed, fragments, on_sent, lie)
+        return await real(self, signed, fragments, on_sent, lie, **kw)
 
     monkeypatch.setattr(RoundStream, "round_trip", lying)
-    runner = await cluster.server.core.start_session(PROMPT, PARAMS)
+    core = cluster.server.core
+    runner = await core.start_session(PROMPT, PARAMS)
     await runner.task
     local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, PARAMS)
     assert runner.error is None and runner.session.emitted == local.tokens
     stats = runner.stats
     assert len(told) == stats.rounds and stats.decisions_followed > 0
     assert stats.speculation_hits < stats.speculated  # the drafts on lies were dropped
+    assert stats.sent_ahead == stats.ahead_void > 0  # every request sent on a lie was void
+    assert cluster.verifier.manager.stats.rounds == stats.rounds  # none of them committed
+    records = list(core.log.records())
+    replayed = journal.replay(r.payload for r in records)[runner.session.session_id]
+    assert len(replayed.committed) == stats.rounds and replayed.done
+    assert replayed.prepared is None and replayed.ahead is None
+    assert journal.WalInterpreter().check_chain(records, [], None) is None
 
 
 @pytest.mark.asyncio
@@ -416,11 +427,11 @@ async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, m
 
     real, refused = RoundStream.round_trip, []
 
-    async def busy_twice(self, signed, fragments, *hooks):
+    async def busy_twice(self, signed, fragments, *hooks, **kw):
         if len(refused) < 2:
             refused.append(signed)
             raise RoundRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "round_queue_full", "full")
-        return await real(self, signed, fragments, *hooks)
+        return await real(self, signed, fragments, *hooks, **kw)
 
     monkeypatch.setattr(RoundStream, "round_trip", busy_twice)
     runner = await cluster.server.core.start_session(PROMPT, PARAMS)
@@ -434,7 +445,7 @@ async def test_a_full_round_queue_is_waited_out_with_the_same_request(cluster, m
 async def test_other_refusals_still_end_the_session(cluster, monkeypatch):
     from proposer_mac.link import RoundRefused, RoundStream
 
-    async def refuse(self, signed, fragments, *hooks):
+    async def refuse(self, signed, fragments, *hooks, **kw):
         raise RoundRefused(grpc.StatusCode.ABORTED, "head_mismatch", "head")
 
     monkeypatch.setattr(RoundStream, "round_trip", refuse)
@@ -496,18 +507,23 @@ async def test_old_finished_sessions_are_forgotten_but_still_counted(key_set, tm
 
 
 @pytest.mark.asyncio
-async def test_each_commit_shares_one_write_with_the_next_prepared_and_no_ack_runs_ahead(cluster):
-    """COMMITTED of round r goes to the log in one write with PREPARED of round r+1 (with
-    DONE after the last round), COMMITTED first; no ack goes before its round's COMMITTED is
-    durable, and every round is acked, after the request that follows it."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["after-result", "on-decision"])
+async def test_journal_order_and_acks_of_each_round(key_set, tmp_path, ahead):
+    """After the result: COMMITTED of round r goes to the log in one write with PREPARED of
+    round r+1 (with DONE after the last round), COMMITTED first. On the decision
+    (lane.send_on_decision): PREPARED of round r+1 is durable, then that request is on the
+    wire, both before COMMITTED of round r, which goes alone. Either way no ack goes before
+    its round's COMMITTED is durable, and every round is acked, after the request that
+    follows it."""
     from proposer_mac import journal
     from proposer_mac.link import RoundStream
 
-    core = cluster.server.core
+    c = await start(key_set, tmp_path, lane={"lookahead": "on", "send_on_decision": ahead})
+    core = c.server.core
     events: list[tuple] = []
     writes: list[list[tuple]] = []
     append, append_many = core.log.append_async, core.log.append_many_async
-    ack, round_trip = RoundStream.ack, RoundStream.round_trip
+    ack, round_trip, send = RoundStream.ack, RoundStream.round_trip, RoundStream.send
 
     def describe(payload):
         entry = journal.describe(payload)
@@ -529,29 +545,49 @@ async def test_each_commit_shares_one_write_with_the_next_prepared_and_no_ack_ru
         events.append(("ack", round_))
         await ack(self, round_)
 
-    async def recorded_round_trip(self, signed, *args):
+    async def recorded_round_trip(self, signed, *args, **kw):
         events.append(("sent", None))
-        return await round_trip(self, signed, *args)
+        return await round_trip(self, signed, *args, **kw)
+
+    async def recorded_send(self, signed):
+        request = await send(self, signed)
+        events.append(("wire", request.round))
+        return request
 
     core.log.append_async, core.log.append_many_async = recorded_append, recorded_append_many
     RoundStream.ack, RoundStream.round_trip = recorded_ack, recorded_round_trip
+    RoundStream.send = recorded_send
     try:
         runner = await core.start_session(PROMPT, PARAMS)
         await runner.task
     finally:
-        RoundStream.ack, RoundStream.round_trip = ack, round_trip
+        RoundStream.ack, RoundStream.round_trip, RoundStream.send = ack, round_trip, send
+        await stop(c)
     rounds = runner.stats.rounds
     assert runner.error is None and len(runner.session.emitted) == PARAMS.max_tokens
+    assert runner.stats.sent_ahead == (rounds - 1 if ahead else 0)
     session = [w for w in writes if w[0][0] != "open"]  # the session's own records
-    assert session == [
-        [("prepared", 0)],
-        *([("committed", r), ("prepared", r + 1)] for r in range(rounds - 1)),
-        [("committed", rounds - 1), ("done", None)],
-    ]
 
     def at(kind, r):
         return events.index((kind, r))
 
+    if ahead:  # every round but the last has a next draft on its decision
+        each = [w for r in range(rounds - 1) for w in ([("prepared", r + 1)], [("committed", r)])]
+        assert session == [
+            [("prepared", 0)],
+            *each,
+            [("committed", rounds - 1), ("done", None)],
+        ]
+        for r in range(rounds - 1):
+            assert at("prepared", r + 1) < at("wire", r + 1) < at("committed", r)
+    else:
+        assert session == [
+            [("prepared", 0)],
+            *([("committed", r), ("prepared", r + 1)] for r in range(rounds - 1)),
+            [("committed", rounds - 1), ("done", None)],
+        ]
+        for r in range(rounds):
+            assert at("prepared", r) < at("wire", r)
     assert [r for k, r in events if k == "ack"] == list(range(rounds))
     for r in range(rounds):
         assert at("committed", r) < at("ack", r)
@@ -560,23 +596,31 @@ async def test_each_commit_shares_one_write_with_the_next_prepared_and_no_ack_ru
 
 
 @pytest.mark.asyncio
-async def test_a_draft_that_fails_after_a_result_still_commits_that_result(cluster, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["after-result", "on-decision"])
+async def test_a_draft_that_fails_after_a_result_still_commits_that_result(
+    key_set, tmp_path, monkeypatch, ahead
+):
     """The round before a failed draft still becomes durable (alone: no PREPARED follows),
-    and its tokens reach clients before the session's error."""
+    and its tokens reach clients before the session's error; the same when the draft was to
+    go out on the round's decision."""
     from proposer_mac import journal
     from proposer_mac.driver import SessionRunner
 
-    async def dead_draft(self, speculation, tokens):
+    async def dead_draft(self, *args, **kw):
         raise RuntimeError("the draft backend died")
 
-    monkeypatch.setattr(SessionRunner, "_next_draft", dead_draft)
-    core = cluster.server.core
-    runner = await core.start_session(PROMPT, PARAMS)
-    await runner.task
+    monkeypatch.setattr(SessionRunner, "_take", dead_draft)  # the draft made ahead
+    c = await start(key_set, tmp_path, lane={"send_on_decision": ahead})
+    core = c.server.core
+    try:
+        runner = await core.start_session(PROMPT, PARAMS)
+        await runner.task
+        entries = [journal.describe(r.payload) for r in core.log.records()]
+    finally:
+        await stop(c)
     assert isinstance(runner.error, RuntimeError) and "draft backend died" in str(runner.error)
     emitted = runner.session.emitted
     assert len(emitted) > 0 and runner.durable == len(emitted)  # round 0's tokens
-    entries = [journal.describe(r.payload) for r in core.log.records()]
     mine = [(e["entry"], e.get("round")) for e in entries if e["entry"] != "open"]
     assert mine == [("prepared", 0), ("committed", 0)]
     tokens, finished = await runner.wait_tokens(0)
