@@ -23,7 +23,9 @@ decision before its commit and signed result, and every digest of that result bu
 signature is the proposer's own to compute (`ProposerSession.predict`), the head it chains
 to included. So once the next draft on that decision is ready, round r+1's request is built
 on that head, journaled (PREPARED r+1, before COMMITTED r) and sent while the verifier still
-commits and signs r; the verifier takes it right after r. When r's signed result arrives
+commits and signs r; the verifier takes it right after r. Only a draft already made when the
+decision comes goes ahead: one begun on the decision takes longer than the result does to
+follow it, so it gains nothing there and costs the prediction and a second fsync. When r's signed result arrives
 and checks, COMMITTED r is written alone and r+1 is already in flight. The guarantees stay:
 PREPARED r+1 is durable before its request leaves, COMMITTED r before r's tokens reach
 clients and before the ack of r, and what r emits is only ever what its signed result says.
@@ -50,6 +52,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from muser import logs
 from muser.backend import MultiSequenceBackend
+from muser.mt19937 import Mt19937
 from muser.records import Signed, advance, close_message, draws_for_round, request_of
 from muser.round import clip_emission
 from muser.stats import LaneStats
@@ -163,34 +166,41 @@ class SessionRunner:
         steps = self.drafter.draft_steps(list(s.transcript), s.state, depth)
         return self.core.drafts.submit(self.drafter, steps)
 
-    def _start_speculation(self, proposal: Draft) -> Speculating | None:
+    def _start_speculation(
+        self, proposal: Draft, after: tuple[list[int], int, Mt19937] | None = None
+    ) -> Speculating | None:
         """Draft the round after this one, guessing it is fully accepted (see drafting.py),
         while this one is at the verifier; greedy with `branches`, on every outcome the
-        draft can guess. None when this round ends the session anyway."""
+        draft can guess. None when this round ends the session anyway. `after`: this round
+        was sent ahead, and the session will stand at (transcript, tokens emitted, MT
+        state) when it starts (default: where the session stands)."""
         s = self.session
-        remaining = s.params.max_tokens - len(s.emitted) - len(proposal.drafts) - 1
+        transcript, produced, state = after or (s.transcript, len(s.emitted), s.state)
+        remaining = s.params.max_tokens - produced - len(proposal.drafts) - 1
         if not self.core.speculate or not proposal.drafts:
             return None
         if self.core.branches > 0 and self.drafter.can_branch and self.core.drafts.pending == 0:
             # branches cost the draft thread ~1.7x a guess: only when nothing else waits
             # for it (many sessions keep it busy; there a branch job delays their drafts)
-            return self._start_branches(proposal)
+            return self._start_branches(proposal, transcript, produced)
         if remaining < 1:
             return None
         depth = s.width.peek(len(proposal.drafts), remaining)
         stop, guess = threading.Event(), []
         steps = self.drafter.speculate_steps(
-            list(s.transcript), s.state, proposal, depth, s.params.stop_tokens, stop, guess
+            list(transcript), state, proposal, depth, s.params.stop_tokens, stop, guess
         )
         future = self.core.drafts.submit(self.drafter, steps)
         return Speculating(future, stop, proposal.drafts, guess)
 
-    def _start_branches(self, proposal: Draft) -> Speculating | None:
+    def _start_branches(
+        self, proposal: Draft, transcript: list[int], produced: int
+    ) -> Speculating | None:
         """Branches: the outcomes "rejected at draft k" for the first `core.branches` k,
         and full acceptance. Outcome k emits k + 1 tokens; one that reaches max_tokens ends
         the session, and one past the branches is left to the decision (None: not drafted)."""
         s, depth = self.session, len(proposal.drafts)
-        left = s.params.max_tokens - len(s.emitted)
+        left = s.params.max_tokens - produced
         depths = [
             s.width.peek(depth, left - k - 1, k)
             if left - k - 1 >= 1 and (k < self.core.branches or k == depth)
@@ -201,7 +211,7 @@ class SessionRunner:
             return None
         stop, guesses, chosen = threading.Event(), [], []
         steps = self.drafter.branch_steps(
-            list(s.transcript), proposal, depths, s.params.stop_tokens, stop, guesses, chosen
+            list(transcript), proposal, depths, s.params.stop_tokens, stop, guesses, chosen
         )
         future = self.core.drafts.submit(self.drafter, steps)
         return Speculating(future, stop, proposal.drafts, branches=guesses, chosen=chosen)
@@ -325,7 +335,13 @@ class SessionRunner:
         except (LinkDown, RoundRefused):
             sent = None  # sent again on the stream the driver goes on with
         self.stats.sent_ahead += 1
-        return _Ahead(signed, taken, stream if sent is not None else None, sent)
+        # the round after it is drafted ahead from here, as after any send: on the
+        # transcript this decision leaves, while r's result is checked and committed
+        after = (outcome.transcript, outcome.produced + len(clip.tokens), outcome.state)
+        speculation = self._start_speculation(proposal, after)
+        if speculation is not None and self.core.lookahead:
+            _look_ahead(stream, speculation, outcome.round + 2)
+        return _Ahead(signed, taken, stream if sent is not None else None, sent, speculation)
 
     async def _drive(self) -> None:
         s, core = self.session, self.core
@@ -369,6 +385,8 @@ class SessionRunner:
                         _look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
                     if (
                         core.send_on_decision
+                        and speculation is ahead  # drafted before the decision came,
+                        and speculation.future.done()  # and ready (module note)
                         and self._sending is None
                         and stream is not None
                         and not self.cancelled  # (a request already ahead still goes)
@@ -480,7 +498,7 @@ class SessionRunner:
                     in_flight = to_speculate = None  # (recovered: no draft to go on from)
                     if went is not None:
                         self._hit(went.taken)
-                        in_flight = to_speculate = went.taken.proposal
+                        in_flight, speculation = went.taken.proposal, went.speculation
                         on_wire = went.sent if went.stream is stream else None
                     continue
                 # the signed result is not what its decision said: that request is void (its
@@ -493,6 +511,8 @@ class SessionRunner:
                 self.stats.ahead_void += 1
                 if stream is not None:
                     stream.close()
+                if went is not None and went.speculation is not None:
+                    went.speculation.drop()  # drafted on the void request
                 stream, speculation = None, None
             if not s.done and not self.cancelled:
                 drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
@@ -556,6 +576,8 @@ class _Ahead:
     stream: RoundStream | None
     """The stream it went out on (None: journaled, not sent)."""
     sent: pb.RoundRequest | None
+    speculation: Speculating | None
+    """The round after it, drafting ahead since it was sent."""
 
 
 @dataclass(frozen=True)

@@ -295,9 +295,10 @@ def test_lookahead_auto_is_off_for_a_verifier_on_this_machine(setting, address, 
 
 @pytest.mark.asyncio
 async def test_a_decision_the_result_contradicts_changes_no_token(cluster, monkeypatch):
-    """The early decision is unsigned: a wrong one only wastes a draft, and the request sent
-    ahead on it (lane.send_on_decision) is void: the verifier refuses its head, nothing is
-    written there, and the round is drafted and sent again."""
+    """The early decision is unsigned: a wrong one only wastes a draft, and a request sent
+    ahead on it (lane.send_on_decision; when a lie names the guess the proposer drafted on)
+    is void: the verifier refuses its head, nothing is written there, and the round is
+    drafted and sent again (tests/proposer/test_send_ahead.py forces that path)."""
     from proposer_mac import journal
     from proposer_mac.link import RoundStream
 
@@ -322,7 +323,7 @@ async def test_a_decision_the_result_contradicts_changes_no_token(cluster, monke
     stats = runner.stats
     assert len(told) == stats.rounds and stats.decisions_followed > 0
     assert stats.speculation_hits < stats.speculated  # the drafts on lies were dropped
-    assert stats.sent_ahead == stats.ahead_void > 0  # every request sent on a lie was void
+    assert stats.sent_ahead == stats.ahead_void  # every request sent on a lie was void
     assert cluster.verifier.manager.stats.rounds == stats.rounds  # none of them committed
     records = list(core.log.records())
     replayed = journal.replay(r.payload for r in records)[runner.session.session_id]
@@ -518,7 +519,11 @@ async def test_journal_order_and_acks_of_each_round(key_set, tmp_path, ahead):
     from proposer_mac import journal
     from proposer_mac.link import RoundStream
 
-    c = await start(key_set, tmp_path, lane={"lookahead": "on", "send_on_decision": ahead})
+    # a draft that is the target's twin: its guesses hold, so requests go ahead
+    draft = FakeBackend() if ahead else None
+    c = await start(
+        key_set, tmp_path, lane={"lookahead": "on", "send_on_decision": ahead}, draft=draft
+    )
     core = c.server.core
     events: list[tuple] = []
     writes: list[list[tuple]] = []
@@ -565,29 +570,30 @@ async def test_journal_order_and_acks_of_each_round(key_set, tmp_path, ahead):
         await stop(c)
     rounds = runner.stats.rounds
     assert runner.error is None and len(runner.session.emitted) == PARAMS.max_tokens
-    assert runner.stats.sent_ahead == (rounds - 1 if ahead else 0)
     session = [w for w in writes if w[0][0] != "open"]  # the session's own records
 
     def at(kind, r):
         return events.index((kind, r))
 
-    if ahead:  # every round but the last has a next draft on its decision
-        each = [w for r in range(rounds - 1) for w in ([("prepared", r + 1)], [("committed", r)])]
-        assert session == [
-            [("prepared", 0)],
-            *each,
-            [("committed", rounds - 1), ("done", None)],
-        ]
-        for r in range(rounds - 1):
-            assert at("prepared", r + 1) < at("wire", r + 1) < at("committed", r)
-    else:
-        assert session == [
-            [("prepared", 0)],
-            *([("committed", r), ("prepared", r + 1)] for r in range(rounds - 1)),
-            [("committed", rounds - 1), ("done", None)],
-        ]
-        for r in range(rounds):
-            assert at("prepared", r) < at("wire", r)
+    went = [r for r in range(1, rounds) if at("prepared", r) < at("committed", r - 1)]
+    assert len(went) == runner.stats.sent_ahead and (len(went) > rounds // 2 if ahead else not went)
+    assert session == [
+        [("prepared", 0)],
+        *(
+            w
+            for r in range(rounds - 1)
+            for w in (
+                ([("prepared", r + 1)], [("committed", r)])
+                if r + 1 in went
+                else ([("committed", r), ("prepared", r + 1)],)
+            )
+        ),
+        [("committed", rounds - 1), ("done", None)],
+    ]
+    for r in range(rounds):
+        assert at("prepared", r) < at("wire", r)
+        if r in went:
+            assert at("wire", r) < at("committed", r - 1)
     assert [r for k, r in events if k == "ack"] == list(range(rounds))
     for r in range(rounds):
         assert at("committed", r) < at("ack", r)
@@ -610,7 +616,8 @@ async def test_a_draft_that_fails_after_a_result_still_commits_that_result(
         raise RuntimeError("the draft backend died")
 
     monkeypatch.setattr(SessionRunner, "_take", dead_draft)  # the draft made ahead
-    c = await start(key_set, tmp_path, lane={"send_on_decision": ahead})
+    twin = FakeBackend()  # the target's twin: its guesses hold, so round 1 would go ahead
+    c = await start(key_set, tmp_path, lane={"send_on_decision": ahead}, draft=twin)
     core = c.server.core
     try:
         runner = await core.start_session(PROMPT, PARAMS)

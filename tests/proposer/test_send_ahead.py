@@ -38,9 +38,15 @@ def entries(records) -> list[tuple[str, int | None]]:
     return out
 
 
+def twin() -> FakeBackend:
+    """A draft that is the target's twin: every draft is accepted and every bonus guessed,
+    so every speculation holds and is ready when its decision comes (only those go ahead)."""
+    return FakeBackend()
+
+
 async def run_one(key_set, tmp_path, params, **lane):
     """One session to the end with requests sent ahead; its runner and journal records."""
-    c = await start(key_set, tmp_path, lane={"send_on_decision": True, **lane})
+    c = await start(key_set, tmp_path, lane={"send_on_decision": True, **lane}, draft=twin())
     try:
         runner = await c.server.core.start_session(PROMPT, params)
         await runner.task
@@ -53,17 +59,22 @@ async def run_one(key_set, tmp_path, params, **lane):
 async def test_every_request_ahead_expects_the_head_its_round_before_committed(
     key_set, tmp_path, params
 ):
-    """Each decision predicts its result's head exactly: every round after the first went
-    out on the decision before it, none was void, and the tokens are the local lane's."""
+    """Each decision predicts its result's head exactly: the requests that went out on the
+    decision before them (their PREPARED durable before that round's COMMITTED) were all
+    taken, none was void, and the tokens are the local lane's."""
     runner, records, verifier = await run_one(key_set, tmp_path, params)
-    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, params, q_top_k=32)
+    local = run_local(FakeBackend(), twin(), PROMPT, params, q_top_k=32)
     stats = runner.stats
     assert runner.error is None and runner.session.emitted == local.tokens
-    assert stats.sent_ahead == stats.rounds - 1 > 0 and stats.ahead_void == 0
+    assert stats.sent_ahead > stats.rounds // 2 and stats.ahead_void == 0
     assert verifier.rounds == stats.rounds and verifier.retries == 0
     order = [e for e in entries(records) if e[0] in ("prepared", "committed")]
-    for r in range(stats.rounds - 1):  # PREPARED r+1 is durable before COMMITTED r
-        assert order.index(("prepared", r + 1)) < order.index(("committed", r))
+    went = [
+        r
+        for r in range(stats.rounds - 1)
+        if order.index(("prepared", r + 1)) < order.index(("committed", r))
+    ]
+    assert len(went) == stats.sent_ahead
     assert journal.WalInterpreter().check_chain(records, [], None) is None
 
 
@@ -74,28 +85,30 @@ async def test_decode_rounds_send_nothing_ahead(key_set, tmp_path):
 
     runner, _, _ = await run_one(key_set, tmp_path, SAMPLED, draft_len=0, decode_len=4)
     width = FixedWidth(0, 4)
-    local = run_local(FakeBackend(), FakeBackend(order=1, salt=1), PROMPT, SAMPLED, width=width)
+    local = run_local(FakeBackend(), twin(), PROMPT, SAMPLED, width=width)
     assert runner.error is None and runner.session.emitted == local.tokens
     assert runner.stats.rounds == 10 and runner.stats.sent_ahead == 0
 
 
-def ahead_run(records) -> tuple[list, int]:
-    """The payloads and the index of the first PREPARED journaled ahead of its round's
-    predecessor's COMMITTED (round 1's, before COMMITTED 0)."""
-    payloads = [r.payload for r in records]
-    return payloads, entries(records).index(("prepared", 1))
+def ahead_run(records) -> tuple[list, int, int]:
+    """The payloads, the index of the first PREPARED journaled ahead of the COMMITTED of
+    the round before it, and its round."""
+    payloads, kinds = [r.payload for r in records], entries(records)
+    for i, (kind, r) in enumerate(kinds[:-1]):
+        if kind == "prepared" and kinds[i + 1] == ("committed", r - 1):
+            return payloads, i, r
+    raise AssertionError("no request went ahead")
 
 
 async def test_replay_takes_a_request_ahead_once_the_round_before_commits(key_set, tmp_path):
     _, records, _ = await run_one(key_set, tmp_path, GREEDY)
-    payloads, i = ahead_run(records)
-    assert entries(records)[i + 1] == ("committed", 0)
+    payloads, i, r = ahead_run(records)
     sid = next(iter(journal.replay(payloads[:1])))
     before = journal.replay(payloads[: i + 1])[sid]  # a crash between the two
-    assert before.prepared is not None and len(before.committed) == 0
-    assert before.ahead is not None and request_round(before.ahead) == 1
+    assert before.prepared is not None and len(before.committed) == r - 1
+    assert before.ahead is not None and request_round(before.ahead) == r
     after = journal.replay(payloads[: i + 2])[sid]
-    assert len(after.committed) == 1 and after.ahead is None
+    assert len(after.committed) == r and after.ahead is None
     assert after.prepared == before.ahead  # the request ahead is now the one in flight
 
 
@@ -114,14 +127,14 @@ async def test_a_request_ahead_on_another_head_is_void_and_the_next_one_takes_it
     key_set, tmp_path
 ):
     _, records, _ = await run_one(key_set, tmp_path, GREEDY)
-    payloads, i = ahead_run(records)
+    payloads, i, r = ahead_run(records)
     sid = next(iter(journal.replay(payloads[:1])))
     real = journal.replay(payloads[: i + 1])[sid].ahead
-    void = journal.encode_prepared(sid, 1, void_of(real, key_set.proposer))
-    cut = [*payloads[:i], void, payloads[i + 1]]  # the void one ahead, then COMMITTED 0
+    void = journal.encode_prepared(sid, r, void_of(real, key_set.proposer))
+    cut = [*payloads[:i], void, payloads[i + 1]]  # the void one ahead, then COMMITTED r-1
     s = journal.replay(cut)[sid]
-    assert len(s.committed) == 1 and s.prepared is None and s.ahead is None
-    s = journal.replay([*cut, payloads[i]])[sid]  # round 1 drafted again, journaled after
+    assert len(s.committed) == r and s.prepared is None and s.ahead is None
+    s = journal.replay([*cut, payloads[i]])[sid]  # round r drafted again, journaled after
     assert s.prepared == real
     rest = journal.replay([*cut, payloads[i], *payloads[i + 2 :]])[sid]
     assert rest.done and rest == journal.replay(payloads)[sid]
@@ -129,11 +142,11 @@ async def test_a_request_ahead_on_another_head_is_void_and_the_next_one_takes_it
 
 async def test_replay_refuses_a_request_that_is_not_the_next_or_the_one_after(key_set, tmp_path):
     _, records, _ = await run_one(key_set, tmp_path, GREEDY)
-    payloads, i = ahead_run(records)
+    payloads, i, r = ahead_run(records)
     sid = next(iter(journal.replay(payloads[:1])))
     ahead = journal.replay(payloads[: i + 1])[sid].ahead
-    two_ahead = journal.encode_prepared(sid, 2, ahead)
-    with pytest.raises(ValueError, match="round 2 prepared after 0 committed"):
+    two_ahead = journal.encode_prepared(sid, r + 1, ahead)
+    with pytest.raises(ValueError, match=f"round {r + 1} prepared after {r - 1} committed"):
         journal.replay([*payloads[:i], two_ahead])
     alone = journal.encode_prepared(sid, 1, ahead)  # ahead of a round never prepared
     with pytest.raises(ValueError, match="round 1 prepared after 0 committed"):
@@ -142,7 +155,7 @@ async def test_replay_refuses_a_request_that_is_not_the_next_or_the_one_after(ke
 
 async def test_snapshots_keep_the_request_ahead_and_old_snapshots_still_read(key_set, tmp_path):
     _, records, _ = await run_one(key_set, tmp_path, GREEDY)
-    payloads, i = ahead_run(records)
+    payloads, i, _ = ahead_run(records)
     sessions = journal.replay(payloads[: i + 1])
     assert journal.decode_snapshot(journal.snapshot_of(sessions, 10)) == sessions
     sid, s = next(iter(sessions.items()))
@@ -167,7 +180,7 @@ async def proposer_on(config, c, journal_dir):
     )
     server, _ = await create_server(
         config,
-        draft=FakeBackend(order=1, salt=1),
+        draft=twin(),
         target_identity=identity_of(c.verifier.backend),
         tokenizer=CharTokenizer(),
     )
@@ -186,13 +199,13 @@ async def _left_open(self, session) -> None:
 async def test_a_proposer_restarted_around_a_request_ahead_finishes_the_same(
     key_set, tmp_path, extra
 ):
-    """Cut the journal right after PREPARED 1 went ahead (COMMITTED 0 not durable), or
-    right after COMMITTED 0: a proposer restarted on it re-sends what is in flight, the
+    """Cut the journal right after PREPARED r went ahead (COMMITTED r-1 not durable), or
+    right after COMMITTED r-1: a proposer restarted on it re-sends what is in flight, the
     verifier answers from its WAL, and the session ends with the uncrashed run's tokens,
     none repeated, with no round drafted twice."""
     from proposer_mac.driver import DriverContext
 
-    c = await start(key_set, tmp_path, lane={"send_on_decision": True})
+    c = await start(key_set, tmp_path, lane={"send_on_decision": True}, draft=twin())
     try:
         close = DriverContext.close_remote
         DriverContext.close_remote = _left_open  # as a crash leaves it on the verifier
@@ -202,7 +215,7 @@ async def test_a_proposer_restarted_around_a_request_ahead_finishes_the_same(
         finally:
             DriverContext.close_remote = close
         records = list(c.server.core.log.records())
-        payloads, i = ahead_run(records)
+        payloads, i, r = ahead_run(records)
         cut_dir = tmp_path / f"cut{extra}"
         log = wal.FileLog(cut_dir / "journal")
         for payload in payloads[: i + 1 + extra]:
@@ -215,11 +228,45 @@ async def test_a_proposer_restarted_around_a_request_ahead_finishes_the_same(
             await resumed.task
             assert resumed.error is None
             assert resumed.session.emitted == runner.session.emitted
-            assert resumed.stats.rounds == runner.stats.rounds - 1 + (1 - extra)
+            assert resumed.stats.rounds == runner.stats.rounds - r + (1 - extra)
             records = list(core.log.records())
         assert c.verifier.manager.stats.retries > before  # answered from its WAL
         assert journal.WalInterpreter().check_chain(records, [], None) is None
         kinds = entries(records)
-        assert kinds.count(("prepared", 1)) == 1  # round 1 was not drafted again
+        assert kinds.count(("prepared", r)) == 1  # round r was not drafted again
     finally:
         await stop(c)
+
+
+async def test_a_request_ahead_on_a_head_the_result_does_not_carry_is_void(
+    key_set, tmp_path, monkeypatch
+):
+    """Every request goes ahead on a wrong head (as after a decision the result
+    contradicts): the verifier refuses each and writes nothing, the proposer drops that
+    stream, drafts the round again and journals its PREPARED after the void one; the
+    tokens are the local lane's and the journal checks."""
+    from proposer_mac.session import ProposerSession
+
+    predict = ProposerSession.predict
+
+    def wrong_head(self, *args):
+        outcome = predict(self, *args)
+        return outcome and dataclasses.replace(outcome, head=b"\x07" * 32)
+
+    monkeypatch.setattr(ProposerSession, "predict", wrong_head)
+    runner, records, verifier = await run_one(key_set, tmp_path, GREEDY)
+    local = run_local(FakeBackend(), twin(), PROMPT, GREEDY, q_top_k=32)
+    stats = runner.stats
+    assert runner.error is None and runner.session.emitted == local.tokens
+    assert stats.ahead_void == stats.sent_ahead > 0
+    assert verifier.rounds == stats.rounds  # none of them was committed
+    kinds = entries(records)
+    twice = [r for r in range(stats.rounds) if kinds.count(("prepared", r)) == 2]
+    assert len(twice) == stats.sent_ahead  # each void one, then the one drafted again
+    for r in twice:  # the void one went before COMMITTED r-1, the other after it
+        first = kinds.index(("prepared", r))
+        second = kinds.index(("prepared", r), first + 1)
+        assert first < kinds.index(("committed", r - 1)) < second
+    replayed = journal.replay(r.payload for r in records)[runner.session.session_id]
+    assert replayed.done and len(replayed.committed) == stats.rounds
+    assert journal.WalInterpreter().check_chain(records, [], None) is None
