@@ -25,8 +25,9 @@ to included. So once the next draft on that decision is ready, round r+1's reque
 on that head, journaled (PREPARED r+1, before COMMITTED r) and sent while the verifier still
 commits and signs r; the verifier takes it right after r. Only a draft already made when the
 decision comes goes ahead: one begun on the decision takes longer than the result does to
-follow it, so it gains nothing there and costs the prediction and a second fsync. When r's signed result arrives
-and checks, COMMITTED r is written alone and r+1 is already in flight. The guarantees stay:
+follow it, so it would gain nothing and cost the prediction and a second fsync. When r's
+signed result arrives and checks, COMMITTED r is written alone and r+1 is already in flight;
+the round after r+1 has been drafting since r+1 was sent. The guarantees stay:
 PREPARED r+1 is durable before its request leaves, COMMITTED r before r's tokens reach
 clients and before the ack of r, and what r emits is only ever what its signed result says.
 A result that differs from its decision (a verifier that recomputed r after a restart, or a
@@ -615,10 +616,10 @@ class DriverContext:
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
         self.speculate = speculate
+        """Draft round r+1 while round r is at the verifier (lane.speculate)."""
         self.send_on_decision = send_on_decision
         """Journal and send the next round's request on the early decision of the round in
         flight (lane.send_on_decision; `SessionRunner._send_ahead`)."""
-        """Draft round r+1 while round r is at the verifier (lane.speculate)."""
         self.lookahead = lookahead
         """Name each round drafted ahead to the verifier before its request (lane.lookahead,
         resolved)."""
