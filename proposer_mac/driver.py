@@ -47,6 +47,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -298,9 +299,44 @@ class SessionRunner:
             self.drafter.adopt()
         return _Taken(held.proposal, 0.0 if ready else time.perf_counter() - t0, branch_hit)
 
-    async def _sent_ahead(self) -> _Ahead | None:
-        """What `_send_ahead` sent on the round just decided (None: nothing)."""
-        return await self._sending if self._sending is not None else None
+    async def _next_in_flight(
+        self, checked: _Checked, stream: RoundStream | None
+    ) -> tuple[Literal["none", "held", "void"], _Ahead | None]:
+        """After a round's result is checked and applied: did the next request go ahead, on
+        its decision (`_send_ahead`, whose return comes second) or before a restart? "held":
+        it expects the head the result carries, so the round's COMMITTED is made durable
+        here and that request is in flight. "void": it expects another head; the stream
+        that carries its refusal is closed. "none": nothing went ahead."""
+        s = self.session
+        try:
+            went = await self._sending if self._sending is not None else None
+        except Exception:  # its draft failed: this round still becomes durable
+            await self._commit(checked)
+            raise
+        finally:
+            self._sending = None
+        if s.ahead is None:
+            return "none", went
+        ahead, s.ahead = s.ahead, None
+        request = request_of(ahead)
+        if request.round == s.next_round and request.expected_head == s.head:
+            await self._commit(checked)  # its PREPARED is durable already
+            s.prepared = ahead
+            if went is not None:
+                self._hit(went.taken)
+            return "held", went
+        # the signed result is not what its decision said: that request is void (its head is
+        # not the verifier's) and the stream carries its refusal
+        log.warning(
+            "session %s round %d: the result differs from its early decision; round %d is "
+            "drafted again", s.session_id.hex()[:8], s.next_round - 1, s.next_round,
+        )  # fmt: skip
+        self.stats.ahead_void += 1
+        if stream is not None:
+            stream.close()
+        if went is not None and went.speculation is not None:
+            went.speculation.drop()  # drafted on the void request
+        return "void", went
 
     async def _send_ahead(
         self, stream: RoundStream, speculation: Speculating, outcome: Outcome
@@ -483,37 +519,14 @@ class SessionRunner:
             # COMMITTED is written with the next PREPARED (module note): one fsync, not two
             checked = _Checked(result, signed, len(tokens), (t0, t1, start), raw, len(s.emitted))
             ack_due = result.round
-            try:
-                went = await self._sent_ahead()
-            except Exception:  # its draft failed: this round still becomes durable
-                await self._commit(checked)
-                raise
-            finally:
-                self._sending = None
-            if s.ahead is not None:  # round r + 1 was journaled on r's decision (now, or
-                ahead, s.ahead = s.ahead, None  # before a restart)
-                request = request_of(ahead)
-                if request.round == s.next_round and request.expected_head == s.head:
-                    await self._commit(checked)  # its PREPARED is durable already
-                    checked, s.prepared, speculation = None, ahead, None
-                    in_flight = to_speculate = None  # (recovered: no draft to go on from)
-                    if went is not None:
-                        self._hit(went.taken)
-                        in_flight, speculation = went.taken.proposal, went.speculation
-                        on_wire = went.sent if went.stream is stream else None
-                    continue
-                # the signed result is not what its decision said: that request is void (its
-                # head is not the verifier's) and the stream will carry its refusal
-                log.warning(
-                    "session %s round %d: the result differs from its early decision; "
-                    "round %d is drafted again", s.session_id.hex()[:8], result.round,
-                    s.next_round,
-                )  # fmt: skip
-                self.stats.ahead_void += 1
-                if stream is not None:
-                    stream.close()
-                if went is not None and went.speculation is not None:
-                    went.speculation.drop()  # drafted on the void request
+            ahead, went = await self._next_in_flight(checked, stream)
+            if ahead == "held":  # COMMITTED is durable, and the request ahead in flight
+                checked, speculation, to_speculate, in_flight = None, None, None, None
+                if went is not None:  # (None: recovered, with no draft to go on from)
+                    in_flight, speculation = went.taken.proposal, went.speculation
+                    on_wire = went.sent if went.stream is stream else None
+                continue
+            if ahead == "void":  # drafted again, on a new stream (the old one is closed)
                 stream, speculation = None, None
             if not s.done and not self.cancelled:
                 drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
