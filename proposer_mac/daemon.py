@@ -37,8 +37,9 @@ from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac import journal
+from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Drafter
-from proposer_mac.driver import DriverContext, SessionRunner
+from proposer_mac.driver import SessionRunner
 from proposer_mac.link import channel_options
 from proposer_mac.servicer import ProposerServicer, metrics_view
 from proposer_mac.session import ProposerSession

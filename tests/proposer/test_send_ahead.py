@@ -203,7 +203,7 @@ async def test_a_proposer_restarted_around_a_request_ahead_finishes_the_same(
     right after COMMITTED r-1: a proposer restarted on it re-sends what is in flight, the
     verifier answers from its WAL, and the session ends with the uncrashed run's tokens,
     none repeated, with no round drafted twice."""
-    from proposer_mac.driver import DriverContext
+    from proposer_mac.context import DriverContext
 
     c = await start(key_set, tmp_path, lane={"send_on_decision": True}, draft=twin())
     try:
