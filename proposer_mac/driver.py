@@ -50,7 +50,7 @@ from typing import Literal
 
 from muser import logs
 from muser.mt19937 import Mt19937
-from muser.records import Signed, advance, draws_for_round, request_of
+from muser.records import Signed, advance, draws_for_round
 from muser.round import clip_emission
 from muser.stats import LaneStats
 from muser.tasks import in_background
@@ -311,8 +311,7 @@ class SessionRunner:
         if s.ahead is None:
             return "none", went
         ahead, s.ahead = s.ahead, None
-        request = request_of(ahead)
-        if request.round == s.next_round and request.expected_head == s.head:
+        if journal.next_in_flight(ahead, checked.signed) is not None:  # as replay decides it
             await self._commit(checked)  # its PREPARED is durable already
             s.prepared = ahead
             if went is not None:
