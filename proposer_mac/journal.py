@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 
 from muser.canonical import Reader, Writer
 from muser.errors import RefusedError
-from muser.records import RoundRequest, RoundResult, SessionOpen, Signed, sha256
+from muser.records import (
+    RoundRequest,
+    RoundResult,
+    SessionOpen,
+    Signed,
+    request_of,
+    result_of,
+    sha256,
+)
 
 DOMAIN = "proposer-journal"
 SNAPSHOT_DOMAIN = "proposer-journal-snapshot-2"
@@ -117,8 +125,8 @@ def next_in_flight(ahead: Signed | None, committed: Signed) -> Signed | None:
     in flight if it expects the head the result carries, else void (None)."""
     if ahead is None:
         return None
-    head = RoundResult.decode(committed.body).head
-    return ahead if RoundRequest.decode(ahead.body).expected_head == head else None
+    head = result_of(committed).head  # (decoded only when not made or received here)
+    return ahead if request_of(ahead).expected_head == head else None
 
 
 def retained(
