@@ -194,9 +194,7 @@ class ProposerSession:
         if not 0 <= accepted <= depth or (decoded and depth):
             return None
         emitted = [*request.drafts[:accepted], *decoded, int(next_frontier)]
-        post = advance(
-            self.state, draws_for_round(depth, accepted, self.params.greedy, len(emitted))
-        )
+        post = self._after(depth, accepted, len(emitted))
         transcript = [*self.transcript, *emitted]
         result = RoundResult(
             self.session_id,
@@ -218,6 +216,12 @@ class ProposerSession:
         return Outcome(
             self.next_round, emitted, len(self.emitted), result.expected_head(), transcript, post
         )
+
+    def _after(self, depth: int, accepted: int, emitted: int) -> Mt19937:
+        """The MT state after the round in flight, had it `depth` drafts, `accepted` of them,
+        and emitted `emitted` tokens (the draws DESIGN.md §4 says it consumes)."""
+        draws = draws_for_round(depth, accepted, self.params.greedy, emitted)
+        return advance(self.state, draws)
 
     def check_result(
         self, signed_request: Signed, signed: Signed, verifiers: dict[str, Ed25519PublicKey]
@@ -257,9 +261,7 @@ class ProposerSession:
         if any(not 0 <= t < vocab for t in (*result.decoded, result.next_frontier)):
             raise ResultRejected(f"result tokens {emitted} reach outside the vocabulary")
         self._check_decoded(request, result)
-        post = advance(
-            self.state, draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
-        )
+        post = self._after(depth, result.accepted, len(emitted))
         if result.post_state_digest != state_digest(post):
             raise ResultRejected("result post-round MT state digest does not match the draws")
         if result.transcript_digest != transcript_digest(self.transcript + emitted):
@@ -294,8 +296,7 @@ class ProposerSession:
         if checked is not None and checked[0] is result:
             self.state = checked[1]
         else:  # replayed from the journal at recovery: advance here
-            draws = draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
-            self.state = advance(self.state, draws)
+            self.state = self._after(depth, result.accepted, len(emitted))
         self._checked = None
         self.transcript += emitted
         self.head = result.head
