@@ -38,11 +38,23 @@ class KvCursor:
         return getattr(self.backend, "_muser_cursor", None) is self and self.tokens == list(tokens)
 
     def _common_prefix(self, tokens: Sequence[int]) -> int:
-        n = min(len(self.tokens), len(tokens))
-        i = 0
-        while i < n and self.tokens[i] == tokens[i]:
-            i += 1
-        return i
+        """Length of the longest common prefix of the cache's tokens and `tokens`. Every
+        round asks this of a whole transcript, so the comparisons run in C: one list
+        comparison when one holds the other's start (most rounds), else a bisection on
+        prefix equality (a rejected draft, a new prompt), never a Python loop per token."""
+        mine = self.tokens
+        n = min(len(mine), len(tokens))
+        theirs = list(tokens[:n])
+        if mine[:n] == theirs:
+            return n
+        lo, hi = 0, n  # mine[:lo] == theirs[:lo], mine[:hi] != theirs[:hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mine[lo:mid] == theirs[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def reusable(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the cache already holds for this cursor (what `hold`

@@ -13,6 +13,7 @@ one-hot at the argmax, lowest id winning ties, and no draw is consumed.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +59,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+_SCALAR_ROW = 16
+"""`SparseRow.validate` checks rows up to this long value by value."""
+
+
 @dataclass(frozen=True)
 class SparseRow:
     """A draft row q: ascending token ids and their float64 weights (unnormalised)."""
@@ -68,6 +73,18 @@ class SparseRow:
     def validate(self, vocab_size: int, where: str) -> None:
         """Refuse out-of-vocabulary ids, unsorted/duplicate ids, bad weights."""
         ids, w = self.ids, self.weights
+        if 0 < ids.size <= _SCALAR_ROW and ids.ndim == w.ndim == 1 and ids.shape == w.shape:
+            # a short row (every greedy row has one entry): checked in Python, a dozen numpy
+            # calls on so few values cost more; anything wrong is named by the checks below
+            i, x = ids.tolist(), w.tolist()
+            if (
+                i[0] >= 0
+                and i[-1] < vocab_size
+                and all(a < b for a, b in zip(i[:-1], i[1:], strict=True))
+                and all(math.isfinite(v) and v >= 0 for v in x)
+                and any(v > 0 for v in x)
+            ):
+                return
         if ids.ndim != 1 or w.ndim != 1 or ids.shape != w.shape or ids.size == 0:
             raise InvalidWeightsError(
                 f"{where}: sparse row needs equal-length non-empty ids and weights, "
@@ -87,12 +104,18 @@ class SparseRow:
         pos = int(np.searchsorted(self.ids, token))
         if pos >= self.ids.size or self.ids[pos] != token:
             return 0.0
-        return float(self.weights[pos]) / float(np.cumsum(self.weights)[-1])
+        return float(self.weights[pos]) / self.total
+
+    @functools.cached_property
+    def total(self) -> float:
+        """Z, the last ascending cumulative weight (the sum `sample_ordered` scales by; a
+        row is read several times a round, its weights never change)."""
+        return float(np.cumsum(self.weights)[-1])
 
     def dense(self, vocab_size: int) -> np.ndarray:
         """The normalised dense row (float64)."""
         out = np.zeros(vocab_size, dtype=np.float64)
-        out[self.ids] = self.weights / np.cumsum(self.weights)[-1]
+        out[self.ids] = self.weights / self.total
         return out
 
 

@@ -82,3 +82,30 @@ def test_two_cursors_sharing_one_backend_stay_correct():
     assert a.sync([1, 2, 3]).tolist() == row_a.tolist()  # rebuilt after b took the cache
     assert shared.length == 3
     assert a.sync([1, 2, 3, 9]).tolist() == FakeBackend().evaluate([1, 2, 3, 9])[-1].tolist()
+
+
+def test_common_prefix_equals_the_token_by_token_count():
+    """The C-speed prefix search (`KvCursor._common_prefix`) against the plain loop, on
+    held/given lists that agree for any length, differ anywhere, or are empty."""
+    import random
+
+    from muser.cursor import KvCursor
+
+    def loop(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(7)
+    cursor = KvCursor(FakeBackend())
+    for _ in range(2000):
+        held = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        given = held[: rng.randrange(0, len(held) + 1)] + [
+            rng.randrange(3) for _ in range(rng.randrange(0, 8))
+        ]
+        if given and rng.random() < 0.3:
+            given[rng.randrange(len(given))] = 9  # one token that differs, anywhere
+        cursor.tokens = held
+        assert cursor._common_prefix(given) == loop(held, given), (held, given)
+        assert cursor._common_prefix(tuple(given)) == loop(held, given)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from muser.errors import InvalidSamplingParamsError
+from muser.errors import InvalidSamplingParamsError, InvalidWeightsError, TokenOutOfVocabularyError
 from muser.sampling import SamplingParams, SparseRow, draft_row, sample_ordered, target_probs
 
 
@@ -100,3 +100,37 @@ def test_top_k_ids_equals_a_stable_descending_sort_including_ties():
         k = int(gen.integers(1, p.size + 1))
         expected = np.sort(np.argsort(-p, kind="stable")[:k])
         assert top_k_ids(p, k).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize(
+    ("ids", "weights", "error", "message"),
+    [
+        ([1, 1000], [0.5, 0.5], TokenOutOfVocabularyError, "token id 1000"),
+        ([-1, 2], [0.5, 0.5], TokenOutOfVocabularyError, "token id -1"),
+        ([2, 1], [0.5, 0.5], InvalidWeightsError, "ascending"),
+        ([1, 1], [0.5, 0.5], InvalidWeightsError, "ascending"),
+        ([1, 2], [math.nan, 0.5], InvalidWeightsError, "finite"),
+        ([1, 2], [math.inf, 0.5], InvalidWeightsError, "finite"),
+        ([1, 2], [-0.1, 1.0], InvalidWeightsError, ">= 0"),
+        ([1, 2], [0.0, 0.0], InvalidWeightsError, "all zero"),
+        ([1, 2], [0.5], InvalidWeightsError, "equal-length"),
+        ([], [], InvalidWeightsError, "non-empty"),
+    ],
+)
+@pytest.mark.parametrize("pad", [0, 40], ids=["short row", "long row"])
+def test_sparse_rows_short_and_long_are_refused_alike(ids, weights, error, message, pad):
+    """Short rows are checked value by value, long ones in numpy: the same defects are
+    refused either way, with the same message (`pad` appends valid entries, so the long
+    row is past `_SCALAR_ROW`)."""
+    from muser.sampling import _SCALAR_ROW
+
+    padded = bool(pad and ids and len(ids) == len(weights))
+    extra = list(range(100, 100 + pad)) if padded else []
+    row = SparseRow(np.array(ids + extra, dtype=np.int64), np.array(weights + [0.0] * len(extra)))
+    assert (row.ids.size > _SCALAR_ROW) == padded
+    with pytest.raises(error, match=message):
+        row.validate(1000, "draft row 0")
+    extra = list(range(100, 100 + pad))
+    ok = SparseRow(np.array([1, 3] + extra, dtype=np.int64), np.array([0.0, 2.0] + [1.0] * pad))
+    ok.validate(1000, "draft row 0")
+    assert ok.probability(3) == 2.0 / (2.0 + pad) and ok.probability(1) == 0.0

@@ -494,3 +494,34 @@ async def test_concurrent_sessions_on_torch_equal_the_local_lane(key_set, tmp_pa
         assert sum(k * n for k, n in stats.batch_sizes.items()) == stats.rounds
     finally:
         await v.stop()
+
+
+def test_batches_answers_per_object_for_proxies_and_once_per_class_otherwise():
+    """`batches` keeps its structural answer per class, except for a class that forwards
+    attributes (`__getattr__`): two proxies of one class may wrap a batching backend and
+    one that is not."""
+
+    class Proxy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class Single:
+        identity = geometry = vocab_size = length = None
+
+        def evaluate(self, tokens): ...
+        def rollback(self, n): ...
+        def reset(self): ...
+
+    multi = FakeBackend()
+    multi.can_batch = True
+    multi.sequence = lambda: None
+    multi.evaluate_batch = lambda work: []
+    assert batches(Proxy(multi)) and not batches(Proxy(Single()))
+    assert batches(Proxy(multi))  # the first answer was not kept for the class
+    assert not batches(Single()) and not batches(Single())
+    from muser import backend as backend_module
+
+    assert backend_module._MULTI[Single] is False and Proxy not in backend_module._MULTI
