@@ -107,6 +107,34 @@ def test_a_refused_batch_moves_no_sequence(torch_target):
     assert (a.length, b.length) == (2, 1)
 
 
+def test_a_forward_failing_midway_moves_no_sequence(tiny, torch_target, monkeypatch):
+    """Refused in the second layer, after the first stored its keys past each length: the
+    lengths stay, and the next forward gives the rows of sequences that never failed."""
+    from verifier_gx.backends.torch_backend import TorchBackend, TorchSequence
+
+    fresh = TorchBackend(tiny)
+    seqs = [torch_target.sequence() for _ in range(2)]
+    refs = [fresh.sequence() for _ in range(2)]
+    for backend, pair in ((torch_target, seqs), (fresh, refs)):
+        backend.evaluate_batch([(pair[0], [1, 2, 3, 4, 5]), (pair[1], [6, 7])])
+    write = TorchSequence._write
+
+    def fail_at_one(self, layer, k, v):
+        if layer == 1:
+            raise RuntimeError("out of memory")
+        return write(self, layer, k, v)
+
+    with monkeypatch.context() as m:
+        m.setattr(TorchSequence, "_write", fail_at_one)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            torch_target.evaluate_batch([(seqs[0], [8, 9, 10]), (seqs[1], [11])])
+    assert [s.length for s in seqs] == [5, 2]
+    got = torch_target.evaluate_batch([(seqs[0], [12, 13]), (seqs[1], [14, 15, 16])])
+    want = fresh.evaluate_batch([(refs[0], [12, 13]), (refs[1], [14, 15, 16])])
+    for x, y in zip(got, want, strict=True):
+        assert np.array_equal(x, y)
+
+
 def test_capture_on_a_sequence_equals_the_backend_capture(torch_target):
     seq = torch_target.sequence()
     rows, hidden = seq.evaluate_capture([3, 4, 5], [0, 1])
