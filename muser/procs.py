@@ -62,15 +62,7 @@ class Daemon:
         log = self.log_path.open("a")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "muser.cli.main",
-                self.role,
-                "serve",
-                "--config",
-                str(self.config),
-            ],
+            self.command(),
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,
@@ -80,7 +72,9 @@ class Daemon:
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")[offset:]
+            # this start's output: from a byte offset (the log holds multi-byte characters,
+            # progress bars among them, so a character index drifts further every start)
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
             if f"{self.role} listening on" in text:
                 return
             if self.proc.poll() is not None:
@@ -88,6 +82,11 @@ class Daemon:
             time.sleep(0.05)
         self.kill()
         raise DaemonError(f"{self.role} did not start in {timeout:.0f}s:\n{self.log_tail()}")
+
+    def command(self) -> list[str]:
+        """The daemon's command line: `muser ROLE serve --config FILE` in this interpreter."""
+        return [sys.executable, "-m", "muser.cli.main", self.role, "serve", "--config",
+                str(self.config)]  # fmt: skip
 
     def cpu_s(self) -> float | None:
         """CPU seconds this daemon has used so far (`cpu_seconds`); None when not running."""

@@ -1,0 +1,67 @@
+"""Daemons as child processes (`muser.procs.Daemon`): each start waits for the "listening on"
+line of its own output, in a log that keeps every earlier start's output.
+
+The log holds multi-byte characters (transformers' progress bars: three bytes a block), so
+this start's output is found from a byte offset: read as a character index, the offset ran
+past the new output after about twenty restarts of the verifier and a start that had come up
+was taken for one that had not (found by the slow suite's hundred-kill crash sweep)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from muser.procs import Daemon, DaemonError
+
+BAR = "Loading weights: 100%|" + "█" * 10 + "| 92/92\n"
+
+
+class Scripted(Daemon):
+    """A daemon whose process prints `lines` (then sleeps, as a server would)."""
+
+    def __init__(self, tmp_path, lines: list[str]):
+        super().__init__("verifier", tmp_path / "cluster.toml", tmp_path)
+        self.lines = lines
+
+    def command(self) -> list[str]:
+        text = "".join(self.lines)
+        return [sys.executable, "-c", f"import sys, time; sys.stdout.write({text!r}); "
+                "sys.stdout.flush(); time.sleep(60)"]  # fmt: skip
+
+
+def test_the_command_is_muser_role_serve_with_the_config(tmp_path):
+    daemon = Daemon("proposer", tmp_path / "c.toml", tmp_path)
+    assert daemon.command()[1:] == [
+        "-m", "muser.cli.main", "proposer", "serve", "--config", str(tmp_path / "c.toml"),
+    ]  # fmt: skip
+
+
+def test_every_start_finds_its_own_listening_line_after_many_progress_bars(tmp_path):
+    daemon = Scripted(tmp_path, [BAR * 3, "verifier listening on 127.0.0.1:1\n"])
+    try:
+        for _ in range(30):  # 30 starts: 1800 bytes more than characters before the last
+            daemon.start(timeout=20)
+            daemon.kill()
+    finally:
+        daemon.kill()
+    log = daemon.log_path.read_text()
+    assert daemon.starts == 30 and log.count("listening on") == 30
+    assert len(log.encode()) - len(log) == 30 * 3 * 10 * 2
+
+
+def test_an_earlier_starts_listening_line_does_not_count(tmp_path):
+    daemon = Scripted(tmp_path, [BAR, "verifier listening on 127.0.0.1:1\n"])
+    daemon.start(timeout=20)
+    daemon.kill()
+    daemon.lines = [BAR, "still loading\n"]  # this time it never comes up
+    with pytest.raises(DaemonError, match=r"verifier did not start in 2s:(.|\n)*still loading"):
+        daemon.start(timeout=2)
+    assert not daemon.alive()
+
+
+def test_a_daemon_that_exits_is_reported_with_its_output(tmp_path):
+    daemon = Scripted(tmp_path, [BAR, "bad config: no [verifier] table\n"])
+    daemon.command = lambda: [sys.executable, "-c", "print('bad config ▶ no table'); exit(2)"]
+    with pytest.raises(DaemonError, match="verifier exited 2:\n.*bad config ▶ no table"):
+        daemon.start(timeout=20)
