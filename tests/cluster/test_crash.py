@@ -158,6 +158,7 @@ def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, refer
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # a hundred restarts of a daemon, ~6 s each here: past the default 600
 @pytest.mark.parametrize("victim", ["verifier", "proposer"])
 def test_sigkill_at_a_hundred_random_points(tmp_path, fixture_pair, reference, victim):
     cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
