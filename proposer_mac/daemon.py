@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
 from muser import keys, tls
-from muser.affinity import pin_process
+from muser.affinity import serving
 from muser.backend import batches
 from muser.errors import RefusedError
 from muser.metrics import metrics_route
@@ -430,12 +430,6 @@ async def _serve(config: ClusterConfig) -> None:
 
 
 def serve(config: ClusterConfig) -> None:
-    # The round's path hops between the event loop, the draft/compute thread and the WAL
-    # flusher; CPython's default 5 ms GIL switch interval would let a busy thread hold
-    # the loop off that long at each hop.
-    sys.setswitchinterval(0.0005)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if config.proposer.cpus is not None:
-        pin_process(config.proposer.cpus, "proposer.cpus")
-        log.info("pinned to CPUs %s", config.proposer.cpus)
-    asyncio.run(_serve(config))
+    with serving(config.proposer.cpus, "proposer.cpus", log):
+        asyncio.run(_serve(config))

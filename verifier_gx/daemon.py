@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster_config import qualification
 from cluster_config.schema import ClusterConfig, ConfigError
 from muser import keys, tls
-from muser.affinity import pin_process
+from muser.affinity import serving
 from muser.backend import ModelBackend
 from muser.errors import RefusedError
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -225,11 +225,5 @@ async def _serve(config: ClusterConfig) -> None:
 
 def serve(config: ClusterConfig) -> None:
     """Run the verifier until SIGTERM/SIGINT, then stop RPCs and close the commit log."""
-    # The round's path hops between the event loop, the draft/compute thread and the WAL
-    # flusher; CPython's default 5 ms GIL switch interval would let a busy thread hold
-    # the loop off that long at each hop.
-    sys.setswitchinterval(0.0005)
-    if config.verifier.cpus is not None:
-        pin_process(config.verifier.cpus, "verifier.cpus")
-        log.info("pinned to CPUs %s", config.verifier.cpus)
-    asyncio.run(_serve(config))
+    with serving(config.verifier.cpus, "verifier.cpus", log):
+        asyncio.run(_serve(config))

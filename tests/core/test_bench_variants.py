@@ -150,8 +150,9 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
     code = main(["bench", "--suite", "sessions", "--sessions", "1,2", "--temperature", "1",
                  "--max-tokens", "3", "--repeats", "2", "--receipt", str(receipt),
                  "--cluster-variant", "b1: lane.speculate_branches=1"])  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
     assert built == [("base", None), ("b1", {"lane.speculate_branches": "1"})]
     assert seen["cores"] == {"": {"proposer": 1, "verifier": 1}}  # b1's proposer: not pinned
     assert used.count("base") == used.count("b1") == 1 + 2 * (1 + 2)  # warm-up, 2 × (N=1, N=2)

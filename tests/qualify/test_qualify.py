@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -176,10 +177,14 @@ def qualified(new_cluster) -> Path:
 
 
 def refused_serve(capsys, path: Path) -> str:
-    """`muser verifier serve` in process: exit 2 and the message (it never serves here)."""
+    """`muser verifier serve` in process: exit 2 and the message (it never serves here),
+    the process's CPUs and GIL switch interval as they were (the daemon pins itself to
+    verifier.cpus while it serves, and puts them back)."""
+    cpus, interval = os.sched_getaffinity(0), sys.getswitchinterval()
     rc, _, err = cli(capsys, "verifier", "serve", "--config", str(path))
     assert rc == 2, err
     assert f"{HINT}{path}`" in err
+    assert (os.sched_getaffinity(0), sys.getswitchinterval()) == (cpus, interval)
     return err
 
 
