@@ -16,5 +16,5 @@ def keys_by_id(pems: Sequence[bytes]) -> dict[str, Ed25519PublicKey]:
         key = serialization.load_pem_public_key(pem)
         if not isinstance(key, Ed25519PublicKey):
             raise keys.KeyFileError(f"a --pubkey holds a {type(key).__name__}, not Ed25519")
-        out[keys.key_id(key)] = key
+        out[keys.key_id(key)] = keys.check_point(key, "a --pubkey")
     return out

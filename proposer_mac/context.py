@@ -9,8 +9,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from muser import keys
 from muser.backend import MultiSequenceBackend
 from muser.records import close_message
 from muser.wire import convert
@@ -30,7 +31,7 @@ class DriverContext:
     def __init__(
         self,
         *,
-        private: Ed25519PrivateKey,
+        private: keys.SigningKey,
         verifiers: dict[str, Ed25519PublicKey],
         log,
         channel: grpc.aio.Channel,

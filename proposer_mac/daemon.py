@@ -60,7 +60,7 @@ class ProposerCore:
 
         self.config = config
         p = config.proposer
-        self.private = keys.load_private(p.key)
+        self.private = keys.Signer(keys.load_private(p.key))
         self.key_id = keys.key_id(self.private.public_key())
         self.verifiers = {
             keys.key_id(k): k for k in map(keys.load_public, config.enrolment.verifiers)

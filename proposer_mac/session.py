@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
 from muser.errors import RefusedError
@@ -155,7 +155,7 @@ class ProposerSession:
         self,
         drafts: list[int],
         q_rows: list[SparseRow],
-        private: Ed25519PrivateKey,
+        private: keys.SigningKey,
         decode_len: int = 1,
         after: Outcome | None = None,
     ) -> Signed:

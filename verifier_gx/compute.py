@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from muser import keys
 from muser.backend import ModelBackend
@@ -55,7 +54,7 @@ class RoundComputer:
         self,
         backend: ModelBackend,
         kv: KvPool,
-        signing_key: Ed25519PrivateKey,
+        signing_key: keys.SigningKey,
         stats: VerifierStats,
         clock: Callable[[], float],
     ) -> None:

@@ -104,7 +104,7 @@ def load_keys(config: ClusterConfig):
         )
     proposers = {keys.key_id(k): k for k in map(keys.load_public, config.enrolment.proposers)}
     verifiers = {keys.key_id(k): k for k in map(keys.load_public, config.enrolment.verifiers)}
-    return private, proposers, verifiers
+    return keys.Signer(private), proposers, verifiers
 
 
 def create_server(

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from cluster_config.schema import Limits
 from muser import keys
@@ -142,7 +142,7 @@ class SessionManager:
         *,
         log,
         backend: ModelBackend,
-        signing_key: Ed25519PrivateKey,
+        signing_key: keys.SigningKey,
         proposer_keys: Mapping[str, Ed25519PublicKey],
         limits: Limits,
         clock: Callable[[], float] = time.monotonic,
