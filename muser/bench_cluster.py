@@ -40,7 +40,8 @@ def cluster_lanes(
     chooses (the same proposer serves both). `target_device`: the verifier's `device`.
     `pin`: keep `config init`'s CPUs for each daemon (and run each run's client on the
     proposer's); False lets the OS place both daemons and the client. `settings`: a variant's
-    `{"SECTION.KEY": TOML value}` written into the cluster file (`with_settings`)."""
+    `{"SECTION.KEY": TOML value}` written into the cluster file (`with_settings`); its
+    `code` (a checkout, `parse_variant`) is what both daemons run, on their PYTHONPATH."""
     from cluster_config import load_config
     from muser.cli.cluster_client import stream_generate
     from muser.cli.config import free_port, init_cluster
@@ -60,12 +61,15 @@ def cluster_lanes(
         base.write_text(with_target_device(base.read_text(), target_device))
         if not pin:
             base.write_text(unpinned(base.read_text()))
+        settings = dict(settings or {})
+        code = settings.pop(CODE, None)
+        env = {"PYTHONPATH": code} if code else None
         if settings:
             base.write_text(with_settings(base.read_text(), settings))
         config = load_config(base)
         cpus = {"proposer": config.proposer.cpus, "verifier": config.verifier.cpus}
         qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
-        verifier = Daemon("verifier", base, Path(tmp))
+        verifier = Daemon("verifier", base, Path(tmp), env)
         verifier.start()
         stack.callback(verifier.stop)
         host, port = config.verifier.address.rsplit(":", 1)
@@ -89,7 +93,7 @@ def cluster_lanes(
                 )
             path = Path(tmp) / f"cluster-{delay:g}ms.toml"
             path.write_text(text)
-            proposer = Daemon("proposer", path, Path(tmp) / f"logs-{delay:g}ms")
+            proposer = Daemon("proposer", path, Path(tmp) / f"logs-{delay:g}ms", env)
             proposer.start()
             stack.callback(proposer.stop)
             name = f"cluster@{delay:g}ms"
@@ -120,12 +124,20 @@ def unpinned(text: str) -> str:
 
 
 SECTIONS = ("verifier", "proposer", "lane", "limits")
+CODE = "code"
+"""A variant's `code=PATH`: its daemons run the checkout at PATH (an A/B of two trees'
+code in one run, interleaved like any other lane)."""
+PACKAGES = ("muser", "proposer_mac", "verifier_gx", "wal", "cluster_config")
+"""What a checkout given as `code=PATH` must hold: the daemons import all of these."""
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """`NAME: SECTION.KEY=VALUE ...` (a bench `--cluster-variant`) as (name, settings); each
-    VALUE is TOML written without spaces (`2`, `false`, `"on"`, `[0,1]`), or `none` to
-    remove the key (its default applies)."""
+    """`NAME: SECTION.KEY=VALUE ... [code=PATH]` (a bench `--cluster-variant`) as (name,
+    settings); each VALUE is TOML written without spaces (`2`, `false`, `"on"`, `[0,1]`), or
+    `none` to remove the key (its default applies). `code=PATH`: the variant's daemons run
+    the checkout at PATH instead of this one (settings["code"], made absolute); this process
+    still qualifies the lane and runs the clients, so the two trees must speak the same
+    protocol and receipt."""
     name, sep, rest = text.partition(":")
     name = name.strip()
     expected = "expected 'NAME: SECTION.KEY=VALUE ...' (e.g. 'b2: lane.speculate_branches=2')"
@@ -135,16 +147,31 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     settings: dict[str, str] = {}
     for item in rest.split():
         key, eq, value = item.partition("=")
+        if key == CODE and eq:
+            settings[CODE] = _checkout(text, value)
+            continue
         section, dot, field = key.partition(".")
         if not eq or not value or not dot or not field or section not in SECTIONS:
             raise ValueError(
                 f"--cluster-variant {text!r}: {item!r} is not SECTION.KEY=VALUE with SECTION "
-                f"one of {', '.join(SECTIONS)}"
+                f"one of {', '.join(SECTIONS)}, or code=PATH"
             )
         settings[key] = value
     if not settings:
         raise ValueError(f"--cluster-variant {text!r}: no settings; {expected}")
     return name, settings
+
+
+def _checkout(text: str, path: str) -> str:
+    """`code=PATH`'s PATH, absolute, once it holds every package the daemons import."""
+    root = Path(path).expanduser().resolve() if path else None
+    missing = [p for p in PACKAGES if root is None or not (root / p / "__init__.py").is_file()]
+    if missing:
+        raise ValueError(
+            f"--cluster-variant {text!r}: code={path!r} is not a checkout of this project "
+            f"(no {', '.join(p + '/__init__.py' for p in missing)} there)"
+        )
+    return str(root)
 
 
 def with_settings(text: str, settings: dict[str, str]) -> str:

@@ -47,8 +47,11 @@ def cpu_since(daemons: dict) -> Callable[[], dict[str, float]]:
 
 
 class Daemon:
-    def __init__(self, role: str, config: Path, log_dir: Path):
+    def __init__(self, role: str, config: Path, log_dir: Path, env: dict[str, str] | None = None):
         self.role, self.config = role, Path(config)
+        self.env = dict(env or {})
+        """Set in the daemon's environment, over this process's (a bench variant's
+        PYTHONPATH, to run another checkout's code)."""
         self.log_path = Path(log_dir) / f"{role}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -60,7 +63,7 @@ class Daemon:
             log.write(f"\n--- start {self.starts} ---\n")
         offset = self.log_path.stat().st_size
         log = self.log_path.open("a")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             self.command(),
             stdout=log,

@@ -78,13 +78,14 @@ def register(sub, name: str, help_text: str) -> None:
         "--cluster-variant",
         action="append",
         default=[],
-        metavar="'NAME: SECTION.KEY=VALUE ...'",
+        metavar="'NAME: SECTION.KEY=VALUE ... [code=PATH]'",
         help="also run the cluster lanes on a second cluster with these settings, interleaved "
         "with the rest (lanes cluster@Xms[NAME]; --suite sessions: waves sessions=N[NAME], each "
         "beside the base cluster's, with their paired ratio ×base); VALUE is TOML without "
         "spaces, or none to "
         "remove the key, e.g. 'b2: lane.speculate_branches=2' or 'nopin: proposer.cpus=none "
-        "verifier.cpus=none'; repeatable",
+        "verifier.cpus=none'; code=PATH runs the variant's daemons from the checkout at PATH "
+        "(an A/B of two trees' code, e.g. 'old: code=../muser-old'); repeatable",
     )
     p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
     p.add_argument(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster_config import load_config
-from muser.bench_cluster import parse_variant, with_settings
+from muser.bench_cluster import PACKAGES, parse_variant, with_settings
 from muser.cli.config import init_cluster
 from muser.cli.main import main
 from muser.testing import make_tiny_checkpoint
@@ -47,6 +47,73 @@ def test_a_malformed_variant_is_refused_quoting_it(text, says):
         parse_variant(text)
 
 
+def _checkout(root):
+    """A directory that holds every package a daemon imports (as a checkout does)."""
+    for package in PACKAGES:
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    return root
+
+
+def test_a_variant_may_run_another_checkouts_code(tmp_path, monkeypatch):
+    tree = _checkout(tmp_path / "old")
+    assert parse_variant(f"old: code={tree}") == ("old", {"code": str(tree)})
+    monkeypatch.chdir(tmp_path)  # a relative PATH is made absolute
+    assert parse_variant("old: lane.draft_len=3 code=old") == (
+        "old",
+        {"lane.draft_len": "3", "code": str(tree)},
+    )
+
+
+@pytest.mark.parametrize("path", ["", "missing"])
+def test_a_code_variant_that_is_not_a_checkout_is_refused(tmp_path, path):
+    text = f"old: code={tmp_path / path if path else ''}"
+    with pytest.raises(ValueError, match="is not a checkout of this project .no muser/__init__"):
+        parse_variant(text)
+    partial = _checkout(tmp_path / "partial")
+    (partial / "wal" / "__init__.py").unlink()
+    with pytest.raises(ValueError, match=r"\(no wal/__init__.py there\)"):
+        parse_variant(f"old: code={partial}")
+
+
+def test_a_code_variants_daemons_run_that_checkout(cluster_file, tmp_path, monkeypatch):
+    """cluster_lanes: both daemons get the checkout on their PYTHONPATH, and the variant's
+    other settings reach the cluster file they run from."""
+    import muser.cli.qualify
+    import muser.procs
+    from muser.bench_cluster import cluster_lanes
+    from muser.sampling import SamplingParams
+
+    started = []
+
+    class Recorded:
+        def __init__(self, role, config, log_dir, env=None):
+            self.role, self.config, self.env = role, config, env
+
+        def start(self):
+            started.append((self.role, self.env, load_config(self.config)))
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(muser.procs, "Daemon", Recorded)
+    monkeypatch.setattr(muser.cli.qualify, "qualify", lambda config, progress: None)
+    config = load_config(cluster_file)
+    tree = str(_checkout(tmp_path / "old"))
+    settings = {"lane.speculate_branches": "1", "code": tree}
+    with cluster_lanes(
+        config.verifier.target, config.proposer.draft, SamplingParams(), draft_len=4,
+        delays_ms=[0], settings=settings,
+    ) as lanes:  # fmt: skip
+        assert list(lanes) == ["cluster@0ms"]
+    assert [(role, env) for role, env, _ in started] == [
+        ("verifier", {"PYTHONPATH": tree}),
+        ("proposer", {"PYTHONPATH": tree}),
+    ]
+    assert all(c.lane.speculate_branches == 1 for _, _, c in started)
+    assert settings["code"] == tree  # the caller's settings are left as they were
+
+
 def test_settings_replace_add_and_remove_lines_and_take_effect(cluster_file):
     settings = {
         "lane.speculate_branches": "3",  # replaced
@@ -74,6 +141,7 @@ def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
     "args, says",
     [
         (["--cluster-variant", "b2 lane.x=1"], "expected 'NAME: SECTION.KEY=VALUE"),
+        (["--cluster-variant", "old: code=/nonexistent"], "is not a checkout of this project"),
         (
             ["--cluster-variant", "a: lane.draft_len=3", "--cluster-variant", "a: lane.q_top_k=8"],
             "the name 'a' is given twice",

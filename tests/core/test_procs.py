@@ -65,3 +65,21 @@ def test_a_daemon_that_exits_is_reported_with_its_output(tmp_path):
     daemon.command = lambda: [sys.executable, "-c", "print('bad config ▶ no table'); exit(2)"]
     with pytest.raises(DaemonError, match="verifier exited 2:\n.*bad config ▶ no table"):
         daemon.start(timeout=20)
+
+
+def test_the_environment_given_reaches_the_daemon(tmp_path):
+    """`env` is set over this process's own (a bench variant's PYTHONPATH)."""
+
+    class Echo(Scripted):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", "import os, sys, time; "
+                    "print('MUSER_X=' + os.environ['MUSER_X'], 'PATH' in os.environ); "
+                    "print('verifier listening on 127.0.0.1:1', flush=True); time.sleep(60)"]  # fmt: skip
+
+    daemon = Echo(tmp_path, [])
+    daemon.env = {"MUSER_X": "from-the-bench"}
+    try:
+        daemon.start(timeout=20)
+    finally:
+        daemon.kill()
+    assert "MUSER_X=from-the-bench True" in daemon.log_path.read_text()
