@@ -302,6 +302,19 @@ class Limits(_Strict):
         "full is refused (RESOURCE_EXHAUSTED, round_queue_full) with nothing written, to be "
         "sent again after a backoff.",
     )
+    keepalive_s: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a connection with a call open may stay quiet before its side "
+        "pings the other (every daemon channel and server, and the Generate client); 0: no "
+        "pings (gRPC's default), and a peer that lost power is never noticed.",
+    )
+    keepalive_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a ping may go unanswered before the connection is closed and "
+        "its calls fail UNAVAILABLE (the proposer and the client then reconnect).",
+    )
 
     @model_validator(mode="after")
     def _batch_fits_the_kv(self) -> Limits:

@@ -1,7 +1,8 @@
-"""A loopback TCP proxy that can cut every live connection and inject a round-trip delay.
+"""A loopback TCP proxy that can cut every live connection, silence them, and inject a
+round-trip delay.
 
-Used by the crash tests (cut the proposer↔verifier link mid-stream) and by the bench
-harness (an injected RTT between the daemons). It only ever listens on and connects to the
+Used by the crash tests (cut the proposer↔verifier link mid-stream, or silence it as a
+peer that lost power would) and by the bench harness (an injected RTT between the daemons). It only ever listens on and connects to the
 addresses it is given, which callers keep on loopback.
 """
 
@@ -22,6 +23,8 @@ class TcpProxy:
         self.connections = 0
         self._loop = asyncio.new_event_loop()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._silenced: set[asyncio.StreamWriter] = set()
+        """Writers of silenced connections: what is read for them is dropped."""
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True, name="tcp-proxy")
 
@@ -49,12 +52,15 @@ class TcpProxy:
         if not self.delay_s:
             try:
                 while data := await reader.read(65536):
+                    if writer in self._silenced:
+                        continue
                     writer.write(data)
                     await writer.drain()
             except (ConnectionError, asyncio.CancelledError):
                 pass
             finally:
-                writer.close()
+                if writer not in self._silenced:  # a silent peer does not close either
+                    writer.close()
             return
         # a link with latency, not a queue: each chunk leaves delay_s after it arrived, in
         # order, however close behind the one before it (sleeping delay_s per chunk would
@@ -90,8 +96,15 @@ class TcpProxy:
             return
         self.connections += 1
         self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except asyncio.CancelledError:  # close(): the connection is aborted there
+            return
         self._writers -= {writer, up_writer}
+        if writer in self._silenced:  # both ends have given up on it
+            self._silenced -= {writer, up_writer}
+            writer.close()
+            up_writer.close()
 
     def cut(self) -> int:
         """Reset every live connection (new ones are still accepted); returns how many."""
@@ -105,6 +118,20 @@ class TcpProxy:
             return n
 
         return self._call(_cut)
+
+    def silence(self) -> int:
+        """Make every live connection go silent without closing it: what either end sends
+        is dropped, and neither end hears a close from the other, as when a peer loses power
+        or the network parts. New connections are forwarded as usual; returns how many were
+        silenced. (A connection with an injected delay cannot be silenced.)"""
+        if self.delay_s:
+            raise ValueError("silence() is for a proxy without delay_s")
+
+        def _silence() -> int:
+            self._silenced |= self._writers
+            return len(self._writers)
+
+        return self._call(_silence)
 
     def _call(self, fn):
         done = threading.Event()

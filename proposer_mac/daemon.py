@@ -26,6 +26,7 @@ from cluster_config.schema import Lane
 from muser import keys, tls
 from muser.affinity import serving
 from muser.backend import batches
+from muser.channels import channel_options, server_options
 from muser.errors import RefusedError
 from muser.metrics import metrics_route
 from muser.records import Identity, RoundResult
@@ -40,7 +41,6 @@ from proposer_mac import journal
 from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Drafter
 from proposer_mac.driver import SessionRunner
-from proposer_mac.link import channel_options
 from proposer_mac.servicer import ProposerServicer, metrics_view
 from proposer_mac.session import ProposerSession
 
@@ -83,7 +83,11 @@ class ProposerCore:
             config.verifier.address,
             config.tls,
             "proposer",
-            options=channel_options(config.limits.max_message_bytes),
+            options=[
+                *channel_options(config.limits),
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
             aio=True,
         )
         self.context = DriverContext(
@@ -364,12 +368,7 @@ async def create_server(
     core = ProposerCore(config, draft=draft, target_identity=target_identity, tokenizer=tokenizer)
     if core.target_identity is None:
         core.target_identity = await ask_target_identity(core, identity_timeout)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", config.limits.max_message_bytes),
-            ("grpc.max_send_message_length", config.limits.max_message_bytes),
-        ]
-    )
+    server = grpc.aio.server(options=server_options(config.limits))
     pb_grpc.add_ProposerServicer_to_server(ProposerServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -50,15 +50,6 @@ RETRYABLE = {
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
-
-
 class RoundStream:
     """One Rounds stream for one session; `attach` before the first round trip."""
 

@@ -29,6 +29,7 @@ from cluster_config.schema import ClusterConfig, ConfigError
 from muser import keys, tls
 from muser.affinity import serving
 from muser.backend import ModelBackend
+from muser.channels import server_options
 from muser.errors import RefusedError
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from verifier_gx.servicer import VerifierServicer
@@ -151,11 +152,9 @@ def create_server(
             max_decode_len=config.lane.decode_len,
         )
         commit_log.on_fsync = manager.stats.observe_fsync
-        size = config.limits.max_message_bytes
         inner = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", size),
-                ("grpc.max_receive_message_length", size),
+                *server_options(config.limits),
                 ("grpc.so_reuseport", 0),  # a second daemon on a taken port fails to bind
             ]
         )

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from muser.channels import KeepaliveLimits
 from muser.errors import MuserError
 from muser.sampling import SamplingParams
 
@@ -28,13 +29,16 @@ def stream_generate(
     draft_len: int = 0,
     on_event=None,
     reconnect_s: float = 120.0,
-    max_message_bytes: int = 8 * 1024 * 1024,
+    limits: KeepaliveLimits | None = None,
     tls=None,
 ) -> dict:
     """Generate through the proposer at `address`; returns the --json object of the lane.
-    `tls` is the cluster's [tls] section (None: an insecure channel, for loopback)."""
+    `limits` is the cluster's [limits] (message size and keepalive; None: their defaults),
+    `tls` its [tls] section (None: an insecure channel, for loopback)."""
     import grpc
 
+    from cluster_config.schema import Limits
+    from muser.channels import channel_options
     from muser.tls import open_channel
     from muser.wire import convert
     from muser.wire import muser_v2_pb2 as pb
@@ -46,10 +50,7 @@ def stream_generate(
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.INTERNAL,
     )
-    options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
+    options = channel_options(limits if limits is not None else Limits())
     tokens: list[int] = []
     texts: list[str] = []
     session_id = b""
@@ -135,7 +136,7 @@ def generate_cluster(args: argparse.Namespace, params: SamplingParams, text: str
         params,
         draft_len=args.draft_len or 0,  # 0: the cluster's lane.draft_len
         on_event=None if args.json else show,
-        max_message_bytes=config.limits.max_message_bytes,
+        limits=config.limits,
         tls=config.tls,
     )
     if args.json:

@@ -74,6 +74,10 @@ finished_sessions = 1024
 kv_sessions = 16
 max_batch = 8
 round_queue = 64
+# every channel and server: ping a quiet connection that has a call open after keepalive_s,
+# close it when no answer comes within keepalive_timeout_s (a peer that lost power)
+keepalive_s = 10.0
+keepalive_timeout_s = 10.0
 """
 
 TLS_SECTION = """

@@ -46,9 +46,10 @@ def reference(tmp_path_factory, fixture_pair):
 
 
 class Client(threading.Thread):
-    def __init__(self, address, prompt, params):
+    def __init__(self, address, prompt, params, limits=None):
         super().__init__(daemon=True)
         self.address, self.prompt, self.params = address, prompt, params
+        self.limits = limits
         self.count = 0
         self.result = None
         self.error = None
@@ -58,7 +59,9 @@ class Client(threading.Thread):
             self.count += len(event.tokens)
 
         try:
-            self.result = stream_generate(self.address, self.prompt, self.params, on_event=seen)
+            self.result = stream_generate(
+                self.address, self.prompt, self.params, on_event=seen, limits=self.limits
+            )
         except Exception as exc:  # reported by the test thread
             self.error = exc
 
@@ -69,10 +72,12 @@ class Client(threading.Thread):
         return self.count >= count
 
 
-def crash_run(cluster, prompt, victim: str, points: int, seed: int, proxy=None):
+def crash_run(cluster, prompt, victim: str, points: int, seed: int, proxy=None, address=None):
+    """`victim`: a daemon to SIGKILL and restart, or "link" / "silence" for what `proxy`
+    does to its connections; the client connects to `address` (the proposer's if None)."""
     rng = random.Random(seed)
     thresholds = sorted(rng.sample(range(2, PARAMS.max_tokens - 8), points))
-    client = Client(cluster.address, prompt, PARAMS)
+    client = Client(address or cluster.address, prompt, PARAMS, cluster.config.limits)
     client.start()
     hits = 0
     for threshold in thresholds:
@@ -81,6 +86,8 @@ def crash_run(cluster, prompt, victim: str, points: int, seed: int, proxy=None):
         time.sleep(rng.uniform(0, 0.01))  # land anywhere inside a round's transaction
         if victim == "link":
             proxy.cut()
+        elif victim == "silence":
+            assert proxy.silence() >= 1, "no connection through the proxy to silence"
         else:
             daemon = getattr(cluster, victim)
             daemon.kill()
@@ -94,7 +101,9 @@ def crash_run(cluster, prompt, victim: str, points: int, seed: int, proxy=None):
 def resumes_in(commit_log) -> int:
     """RESUME entries in a verifier's commit log."""
     with FileLog(commit_log) as log:
-        return sum(isinstance(journal.decode(r.payload), journal.ResumeEntry) for r in log.records(1))
+        return sum(
+            isinstance(journal.decode(r.payload), journal.ResumeEntry) for r in log.records(1)
+        )
 
 
 def assert_wal_verifies(log_dir, pubkeys) -> None:
@@ -133,8 +142,9 @@ def test_sigkill_at_ten_random_points_changes_nothing(tmp_path, fixture_pair, re
     assert_wals_verify(cluster)
 
 
-def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, reference):
-    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
+def _verifier_behind_proxy(cluster) -> TcpProxy:
+    """The proposer reaches the verifier through a started proxy (the verifier's address is
+    the proxy's; it binds its own)."""
     host, port = cluster.config.verifier.address.rsplit(":", 1)
     proxy = TcpProxy((host, int(port)))
     proxy.start()
@@ -145,6 +155,23 @@ def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, refer
             f'address = "127.0.0.1:{proxy.port}"\nbind = "{cluster.config.verifier.address}"',
         )
     )
+    return proxy
+
+
+def _keepalive(seconds: float):
+    """A cluster file edit: keepalive pings after `seconds` quiet, answered within `seconds`."""
+
+    def edit(text: str) -> str:
+        return text.replace("keepalive_s = 10.0", f"keepalive_s = {seconds}").replace(
+            "keepalive_timeout_s = 10.0", f"keepalive_timeout_s = {seconds}"
+        )
+
+    return edit
+
+
+def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, reference):
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
+    proxy = _verifier_behind_proxy(cluster)
     cluster.start()
     try:
         result, hits = crash_run(cluster, _prompt(fixture_pair), "link", 10, seed=7, proxy=proxy)
@@ -154,6 +181,54 @@ def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, refer
     finally:
         cluster.stop()
         proxy.close()
+    assert_wals_verify(cluster)
+
+
+def test_a_verifier_gone_silent_is_left_and_reached_again(tmp_path, fixture_pair, reference):
+    """The link to the verifier goes silent mid-stream, as when its machine loses power:
+    nothing is closed, nothing answers. The proposer's keepalive ping goes unanswered, it
+    drops the connection and reaches the verifier on a new one; the text is the same. (With
+    keepalive off, the round stream waits for ever: this test then times out.)"""
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2, edit=_keepalive(0.5))
+    assert cluster.config.limits.keepalive_s == 0.5
+    proxy = _verifier_behind_proxy(cluster)
+    cluster.start()
+    try:
+        began = time.monotonic()
+        result, hits = crash_run(cluster, _prompt(fixture_pair), "silence", 3, seed=11, proxy=proxy)
+        assert hits == 3
+        assert result["tokens"] == reference
+        assert proxy.connections > 3  # a new connection after each silence
+        assert time.monotonic() - began < 60
+        assert cluster.proposer.log_tail(100_000).count("round stream broke: UNAVAILABLE") >= 3
+    finally:
+        cluster.stop()
+        proxy.close()
+    assert_wals_verify(cluster)
+
+
+def test_a_proposer_gone_silent_is_left_and_reached_again(tmp_path, fixture_pair, reference):
+    """The client's link to the proposer goes silent mid-stream: the client's keepalive
+    notices, it reconnects with its session and offset, and the stream goes on without a gap
+    or a repeat (stream_generate refuses an event at any other offset). Once: the proposer
+    goes on generating meanwhile, and the rest of the stream comes in the reconnect's first
+    event."""
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2, edit=_keepalive(0.5))
+    cluster.start()
+    host, port = cluster.address.rsplit(":", 1)
+    try:
+        with TcpProxy((host, int(port))) as proxy:
+            address = f"127.0.0.1:{proxy.port}"
+            began = time.monotonic()
+            result, hits = crash_run(
+                cluster, _prompt(fixture_pair), "silence", 1, seed=12, proxy=proxy, address=address
+            )
+            assert hits == 1
+            assert result["tokens"] == reference
+            assert proxy.connections == 2
+            assert time.monotonic() - began < 60
+    finally:
+        cluster.stop()
     assert_wals_verify(cluster)
 
 
@@ -194,7 +269,9 @@ def _two_nodes(tmp_path, fixture_pair):
     own commit logs, both enrolled everywhere); returns it and the other node's daemon."""
 
     def enrol_other(text: str) -> str:
-        keys.write_keypair(keys.generate(), tmp_path / "keys/other.key", tmp_path / "keys/other.pub")
+        keys.write_keypair(
+            keys.generate(), tmp_path / "keys/other.key", tmp_path / "keys/other.pub"
+        )
         enrolled = 'verifiers = ["keys/verifier.pub"]'
         return text.replace(enrolled, 'verifiers = ["keys/verifier.pub", "keys/other.pub"]')
 
