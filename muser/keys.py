@@ -93,12 +93,22 @@ def load_private(path: Path) -> Ed25519PrivateKey:
 
 def load_public(path: Path) -> Ed25519PublicKey:
     try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (OSError, ValueError, TypeError) as exc:
+        pem = Path(path).read_bytes()
+    except OSError as exc:
         raise KeyFileError(f"cannot load Ed25519 public key from {path}: {exc}") from exc
+    return public_from_pem(pem, str(path))
+
+
+def public_from_pem(pem: bytes, where: str) -> Ed25519PublicKey:
+    """The Ed25519 public key PEM `pem` holds, read from `where` (named in refusals), and
+    checked to be a key of some private key (`check_point`)."""
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as exc:
+        raise KeyFileError(f"cannot load Ed25519 public key from {where}: {exc}") from exc
     if not isinstance(key, Ed25519PublicKey):
-        raise KeyFileError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
-    return check_point(key, str(path))
+        raise KeyFileError(f"{where} holds a {type(key).__name__}, expected an Ed25519 key")
+    return check_point(key, where)
 
 
 def check_point(public: Ed25519PublicKey, where: str) -> Ed25519PublicKey:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from nacl.bindings import crypto_scalarmult_ed25519_base_noclamp
 
@@ -81,6 +82,26 @@ def test_a_forgery_under_a_small_order_key_is_refused():
         public.verify(forged[:-1] + b"\x01", b"any message")
     with pytest.raises(keys.SignatureError, match="does not verify"):
         keys.verify(public, b"any message", forged, "a round")
+
+
+@pytest.mark.parametrize("kind", ["not-pem", "rsa"])
+def test_a_pubkey_that_is_no_ed25519_key_is_refused_by_name(tmp_path, kind):
+    """The same refusals for a key file and for `wal verify --pubkey` bytes (a PEM that did
+    not parse was a bare ValueError there: a traceback from `muser wal verify`)."""
+    if kind == "not-pem":
+        pem, says = b"not a key\n", "cannot load Ed25519 public key from {where}: Unable"
+    else:
+        other = rsa.generate_private_key(public_exponent=65537, key_size=1024).public_key()
+        pem = other.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        says = "{where} holds a RSAPublicKey, expected an Ed25519 key"
+    path = tmp_path / "other.pub"
+    path.write_bytes(pem)
+    with pytest.raises(keys.KeyFileError, match=says.format(where=path)):
+        keys.load_public(path)
+    with pytest.raises(keys.KeyFileError, match=says.format(where="a --pubkey")):
+        walkeys.keys_by_id([pem])
 
 
 def test_a_small_order_public_key_is_refused_where_it_is_read(tmp_path, key):
