@@ -195,15 +195,29 @@ def emitted_total(base_url: str) -> float:
     raise AssertionError("the emitted-token counter never settled")
 
 
-def test_a_stop_string_ends_the_session_not_only_the_text(client, model_id, prompt, base_url):
+def early_stop(tokenizer, text: str, at: int = 8) -> str:
+    """A stop string the greedy continuation `text` reaches by its token `at` + 1: the text
+    of its first non-empty token from there. (Read off the text, not fixed: the fixture is
+    trained on the machine that runs the tests, and its continuations vary with the CPU.)"""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop = next((s for j in range(at, len(ids)) if (s := tokenizer.decode(ids[j : j + 1]))), "")
+    assert stop, f"no token past {at} in the greedy continuation {text!r}"
+    return stop
+
+
+def test_a_stop_string_ends_the_session_not_only_the_text(
+    client, model_id, prompt, base_url, plain, tokenizer
+):
     # a session nobody reads is cancelled: it stops drafting after the round in flight
+    stop = early_stop(tokenizer, plain)
     before = emitted_total(base_url)
     r = client.completions.create(
-        model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=" "
+        model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=stop
     )
     assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == plain[: plain.index(stop)]
     used = r.usage.completion_tokens
-    assert used < MAX_TOKENS // 4, "the stop string must come early for this test"
+    assert used < MAX_TOKENS // 4, f"the stop string {stop!r} must come early for this test"
     grew = emitted_total(base_url) - before
     # at most: durable tokens the reply did not need, the round in flight, the round drafted
     # when the cancel came (each D + 1 = 5 tokens at most)
