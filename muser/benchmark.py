@@ -365,13 +365,21 @@ def summarise(
     samples: list[Sample],
     rtt_s: dict[str, float] | None = None,
     cores: dict[str, dict[str, int]] | None = None,
+    *,
+    sampled: bool = False,
 ) -> dict[str, dict]:
     """Per lane: median tokens/s over repeats (of the per-repeat aggregate), spread, ratio;
     the verifier-only ceiling, the ideal (measured compute only) and the speedup over plain
     predicted from measured acceptance and compute (`expected_tokens`). `rtt_s`: the round
     trip injected under a lane ({lane: seconds}); such a lane also gets its wire bounds
     (`_wire_bounds`). `cores`: how many CPUs each of a lane's processes is confined to
-    ({lane: {role: n}}); such a lane also gets its core bound (`core_bound`)."""
+    ({lane: {role: n}}); such a lane also gets its core bound (`core_bound`).
+
+    Exactness, per lane, as "equal/runs": greedy, each run's tokens against plain decode's
+    of the same prompt and repeat (`greedy_match_plain`); `sampled` (T > 0), the local and
+    cluster lanes' against the local lane's (`sampled_match_local`: the same seed and round
+    protocol give the same tokens where the widths drafted are the same), nothing for plain
+    decode or the peers, which sample with their own draws."""
     by_lane: dict[str, dict[int, list[Sample]]] = {}
     for s in samples:
         by_lane.setdefault(s.lane, {}).setdefault(s.repeat, []).append(s)
@@ -429,12 +437,15 @@ def summarise(
             row["ratio_to_local"] = row["tokens_per_s"] / base
             if row.get("core_bound_tokens_per_s"):
                 row["core_bound_ratio_to_local"] = row["core_bound_tokens_per_s"] / base
-    plain_tokens = {(s.prompt, s.repeat): s.tokens for s in samples if s.lane == "plain"}
+    reference, key = (
+        ("local", "sampled_match_local") if sampled else ("plain", "greedy_match_plain")
+    )
+    expected = {(s.prompt, s.repeat): s.tokens for s in samples if s.lane == reference}
     for lane in out:
-        same = [
-            s.tokens == plain_tokens.get((s.prompt, s.repeat)) for s in samples if s.lane == lane
-        ]
-        out[lane]["greedy_match_plain"] = f"{sum(same)}/{len(same)}"
+        if sampled and not (lane == "local" or lane.startswith("cluster@")):
+            continue
+        same = [s.tokens == expected.get((s.prompt, s.repeat)) for s in samples if s.lane == lane]
+        out[lane][key] = f"{sum(same)}/{len(same)}"
     return out
 
 
@@ -456,9 +467,10 @@ def format_table(summary: dict) -> str:
     head = (
         f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'×local':>7} {'accept':>7} "
         f"{'tok/rnd':>7} {'ceiling':>8} {'×ceil':>6} {'ideal':>7} {'pred×':>6} {'ovh ms':>6} "
-        f"{'wire×pl':>9} {'=plain':>7}"
+        f"{'wire×pl':>9} {'exact':>7}"
     )
     lines = [head]
+    sampled = any("sampled_match_local" in r for r in summary.values())
     for lane, r in summary.items():
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] is not None else "-"
@@ -476,8 +488,15 @@ def format_table(summary: dict) -> str:
         lines.append(
             f"{lane:<20} {r['tokens_per_s']:>8.1f} {f'{lo:.1f}–{hi:.1f}':>13} "
             f"{r.get('ratio_to_plain', 0):>7.2f} {to_local:>7} {acc:>7} {tpr:>7} {ceil_s:>8} "
-            f"{ratio:>6} {ideal:>7} {pred:>6} {ovh_s:>6} {wire:>9} {r['greedy_match_plain']:>7}"
+            f"{ratio:>6} {ideal:>7} {pred:>6} {ovh_s:>6} {wire:>9} "
+            f"{r.get('sampled_match_local' if sampled else 'greedy_match_plain', '-'):>7}"
         )
+    lines.append(
+        "exact: runs whose tokens equal the local lane's, same seed (T > 0: plain decode and "
+        "the peers draw their own samples)"
+        if sampled
+        else "exact: runs whose tokens equal plain decode's"
+    )
     splits = [(lane, r["split_s"]) for lane, r in summary.items() if r.get("split_s")]
     if splits:
         lines.append("round split (seconds summed over all runs):")

@@ -195,7 +195,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
         print("muser bench: interrupted before any run finished; no receipt", file=sys.stderr)
         return INTERRUPTED
     rtt = {k: fn.rtt_s for k, fn in lanes.items() if hasattr(fn, "rtt_s")}
-    summary = summarise(samples, rtt, _cores(lanes))
+    summary = summarise(samples, rtt, _cores(lanes), sampled=args.temperature > 0)
     meta = {
         "command": " ".join(sys.argv),
         "fixture": "periodic (control)" if args.periodic else "natural",

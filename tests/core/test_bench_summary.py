@@ -111,6 +111,47 @@ def test_the_vllm_peer_is_counted_like_the_other_peers():
     assert line.split()[-1] == "1/2" and "0.500" in line
 
 
+def test_sampled_runs_are_held_to_the_local_lane_not_to_plain():
+    """At T > 0 plain decode samples with its own draws, so the cluster lanes are compared
+    with the local lane (same seed, same round protocol); plain and the peers get nothing."""
+
+    def run(lane, prompt, tokens):
+        return Sample(lane, prompt, 0, tokens, 1.0, drafted=4, accepted=2, rounds=2)
+
+    samples = [
+        run("plain", 0, [9, 9]),
+        run("plain", 1, [8, 8]),
+        run("local", 0, [1, 2]),
+        run("local", 1, [3, 4]),
+        run("cluster@0ms", 0, [1, 2]),
+        run("cluster@0ms", 1, [3, 4]),
+        run("cluster@5ms[b2]", 0, [1, 2]),
+        run("cluster@5ms[b2]", 1, [3, 5]),  # a token off the local lane's
+        run("hf-assisted", 0, [1, 2]),
+    ]
+    out = summarise(samples, sampled=True)
+    assert out["local"]["sampled_match_local"] == "2/2"
+    assert out["cluster@0ms"]["sampled_match_local"] == "2/2"
+    assert out["cluster@5ms[b2]"]["sampled_match_local"] == "1/2"
+    for lane in ("plain", "hf-assisted"):
+        assert "sampled_match_local" not in out[lane]
+    assert all("greedy_match_plain" not in row for row in out.values())
+    table = format_table(out).splitlines()
+    rows = {line.split()[0]: line.split()[-1] for line in table[1 : len(out) + 1]}
+    assert rows == {
+        "plain": "-",
+        "local": "2/2",
+        "cluster@0ms": "2/2",
+        "cluster@5ms[b2]": "1/2",
+        "hf-assisted": "-",
+    }
+    assert table[len(out) + 1].startswith("exact: runs whose tokens equal the local lane's")
+    greedy = format_table(summarise(samples)).splitlines()
+    assert greedy[1].split()[-1] == "2/2"  # plain against itself
+    assert greedy[3].split()[-1] == "0/2"  # cluster@0ms against plain
+    assert greedy[len(out) + 1] == "exact: runs whose tokens equal plain decode's"
+
+
 def test_the_vllm_python_comes_from_the_flag_then_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_PYTHON, str(tmp_path / "env-python"))
     assert default_vllm_python(tmp_path / "flag-python") == tmp_path / "flag-python"

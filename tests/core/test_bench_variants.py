@@ -263,9 +263,9 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     assert muser.bench_cluster._lane(stream, "a", SamplingParams(), 4, {}).rtt_s == 0.0
     seen = {}
 
-    def summarise(samples, rtt_s=None, cores=None):
-        seen["cores"] = cores
-        return real_summarise(samples, rtt_s, cores)
+    def summarise(samples, rtt_s=None, cores=None, **kw):
+        seen["cores"], seen["sampled"] = cores, kw.get("sampled")
+        return real_summarise(samples, rtt_s, cores, **kw)
 
     real_summarise = muser.benchmark.summarise
     monkeypatch.setattr(muser.benchmark, "summarise", summarise)
@@ -281,3 +281,10 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     assert seen["cores"] == {  # each daemon's CPU count, for the core bound
         name: {"proposer": 1, "verifier": 2} for name in ("cluster@0ms", "cluster@20ms")
     }
+    assert seen["sampled"] is False
+    code = main(["bench", "--no-peers", "--prompts", "1", "--max-tokens", "3", "--repeats", "1",
+                 "--cluster-delays", "0", "--temperature", "1", "--receipt", str(receipt)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert seen["sampled"] is True  # T > 0: held to the local lane
+    summary = json.loads(receipt.read_text())["summary"]
+    assert "sampled_match_local" in summary["cluster@0ms"]
