@@ -29,45 +29,42 @@ class KeepaliveLimits(Protocol):
     keepalive_timeout_s: float
 
 
-def _size(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def channel_options(limits: KeepaliveLimits) -> list[tuple[str, int]]:
-    """A client's channel: pings while it has a call open and the connection is quiet."""
-    options = _size(limits.max_message_bytes)
+def _options(limits: KeepaliveLimits, side: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Message size both ways, and with keepalive on, the pings and then `side`'s own."""
+    options = [
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+    ]
     if limits.keepalive_s > 0:
         options += [
             ("grpc.keepalive_time_ms", _ms(limits.keepalive_s)),
             ("grpc.keepalive_timeout_ms", _ms(limits.keepalive_timeout_s)),
             # the wait for any ping's answer; keepalive_timeout_ms alone leaves it at 60 s
             ("grpc.http2.ping_timeout_ms", _ms(limits.keepalive_timeout_s)),
-            ("grpc.keepalive_permit_without_calls", 0),  # an idle channel needs no liveness
             ("grpc.http2.max_pings_without_data", 0),  # a long round sends no data
+            *side,
         ]
     return options
+
+
+def channel_options(limits: KeepaliveLimits) -> list[tuple[str, int]]:
+    """A client's channel: pings while it has a call open and the connection is quiet."""
+    # an idle channel needs no liveness
+    return _options(limits, [("grpc.keepalive_permit_without_calls", 0)])
 
 
 def server_options(limits: KeepaliveLimits) -> list[tuple[str, int]]:
     """A daemon's server: pings its clients likewise (a proposer that lost power leaves no
     stream held open at the verifier), and accepts their pings."""
-    options = _size(limits.max_message_bytes)
-    if limits.keepalive_s > 0:
-        options += [
-            ("grpc.keepalive_time_ms", _ms(limits.keepalive_s)),
-            ("grpc.keepalive_timeout_ms", _ms(limits.keepalive_timeout_s)),
-            # the wait for any ping's answer; keepalive_timeout_ms alone leaves it at 60 s
-            ("grpc.http2.ping_timeout_ms", _ms(limits.keepalive_timeout_s)),
+    return _options(
+        limits,
+        [
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(limits.keepalive_s / 2)),
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-    return options
+            ("grpc.http2.max_ping_strikes", 0),  # 0: never strike a client off
+        ],
+    )
