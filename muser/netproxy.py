@@ -2,8 +2,9 @@
 round-trip delay.
 
 Used by the crash tests (cut the proposer↔verifier link mid-stream, or silence it as a
-peer that lost power would) and by the bench harness (an injected RTT between the daemons). It only ever listens on and connects to the
-addresses it is given, which callers keep on loopback.
+peer that lost power would) and by the bench harness (an injected RTT between the daemons).
+It only ever listens on and connects to the addresses it is given, which callers keep on
+loopback.
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     }
     assert seen["sampled"] is False
     code = main(["bench", "--no-peers", "--prompts", "1", "--max-tokens", "3", "--repeats", "1",
-                 "--cluster-delays", "0", "--temperature", "1", "--receipt", str(receipt)])  # fmt: skip
+                 "--cluster-delays", "0", "--temperature", "1",
+                 "--receipt", str(receipt)])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     assert seen["sampled"] is True  # T > 0: held to the local lane
     summary = json.loads(receipt.read_text())["summary"]
