@@ -13,12 +13,33 @@ import sys
 import time
 
 from muser.channels import KeepaliveLimits
-from muser.errors import MuserError
+from muser.errors import MuserError, RefusedError
 from muser.sampling import SamplingParams
 
 
 class ClusterClientError(MuserError):
-    """The proposer refused the request or stayed unreachable."""
+    """The proposer failed the request or stayed unreachable (exit 3)."""
+
+
+class ClusterRefusedError(ClusterClientError, RefusedError):
+    """The proposer refused what was asked: bad input, or a cluster configured so that it
+    cannot serve it (exit 2: the message says what to change)."""
+
+
+REFUSALS = frozenset(
+    {
+        "INVALID_ARGUMENT",
+        "OUT_OF_RANGE",
+        "NOT_FOUND",
+        "FAILED_PRECONDITION",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+        "RESOURCE_EXHAUSTED",
+        "ALREADY_EXISTS",
+    }
+)
+"""The status codes a daemon refuses with (verifier_gx.servicer.STATUS); the others
+(INTERNAL, DATA_LOSS, ABORTED, ...) are failures."""
 
 
 def stream_generate(
@@ -92,7 +113,8 @@ def stream_generate(
                 if not retryable or not session_id:
                     details = exc.details() if hasattr(exc, "details") else str(exc)
                     name = code.name if code is not None else "ERROR"
-                    raise ClusterClientError(f"proposer at {address}: {name}: {details}") from exc
+                    error = ClusterRefusedError if name in REFUSALS else ClusterClientError
+                    raise error(f"proposer at {address}: {name}: {details}") from exc
                 deadline = deadline or time.monotonic() + reconnect_s
                 if time.monotonic() > deadline:
                     raise ClusterClientError(
