@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.suite == "wal":
         return _run_wal(args)
+    _check_counts(args)
     from verifier_gx.backends.torch_backend import check_device
 
     args.target_device = check_device(args.target_device, "--target-device")  # before any work
@@ -113,6 +114,60 @@ def run(args: argparse.Namespace) -> int:
         if args.suite == "sessions":
             return _run_sessions(args)
         return _run_lanes(args)
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse (exit 2) a count, delay or sampling setting the suite cannot run, before any
+    fixture is built or daemon started; the message names the flag and what it got."""
+    from muser.errors import RefusedError
+    from muser.sampling import SamplingParams
+
+    least = {"--max-tokens": (args.max_tokens, 1), "--repeats": (args.repeats, 1)}
+    least |= {"--draft-len": (args.draft_len, 0), "--q-top-k": (args.q_top_k, 1)}
+    if args.suite == "lanes":
+        least["--prompts"] = (args.prompts, 1)
+    for flag, (value, low) in least.items():
+        if value < low:
+            raise RefusedError(f"{flag} must be >= {low}, got {value}")
+    SamplingParams(temperature=args.temperature, seed=args.seed)  # refuses a bad one by name
+    args.cluster_delays = _delays(args.cluster_delays) if args.suite == "lanes" else [0.0]
+    if args.suite == "sessions":
+        args.sessions = _session_counts(args.sessions)
+
+
+def _delays(text: str) -> list[float]:
+    """--cluster-delays MS,MS as milliseconds ('' = no cluster lanes)."""
+    import math
+
+    from muser.errors import RefusedError
+
+    delays = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            ms = float(part)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and ms >= 0):
+            raise RefusedError(
+                f"--cluster-delays: expected milliseconds >= 0 separated by commas "
+                f"(e.g. 0,5,20; '' for none), got {part!r} in {text!r}"
+            )
+        delays.append(ms)
+    return delays
+
+
+def _session_counts(text: str) -> list[int]:
+    """--sessions N,N as distinct counts, ascending."""
+    from muser.errors import RefusedError
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise RefusedError(
+            f"--sessions: expected counts >= 1 separated by commas, e.g. 1,8; got {text!r}"
+        )
+    return sorted({int(p) for p in parts})
 
 
 INTERRUPTED = 130
@@ -150,7 +205,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
     from muser.fixtures import build_fixtures, natural_prompts, periodic_prompt
     from muser.sampling import SamplingParams
 
-    delays = [float(d) for d in args.cluster_delays.split(",") if d.strip()]
+    delays = args.cluster_delays  # milliseconds (_check_counts)
     variants = _variants(args.cluster_variant, delays)
     fixtures = build_fixtures(progress=not args.json)
     pair = fixtures.periodic if args.periodic else fixtures.natural
@@ -308,10 +363,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
     from muser.fixtures import build_fixtures, natural_prompts
     from muser.sampling import SamplingParams
 
-    sessions = sorted({int(n) for n in args.sessions.split(",") if n.strip()})
-    if not sessions or sessions[0] < 1:
-        print(f"--sessions {args.sessions!r}: expected counts >= 1, e.g. 1,8", file=sys.stderr)
-        return 2
+    sessions = args.sessions  # distinct counts, ascending (_check_counts)
     variants = _variants(args.cluster_variant, [0.0])
     pair = build_fixtures(progress=not args.json).natural
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))

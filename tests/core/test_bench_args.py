@@ -1,0 +1,61 @@
+"""`muser bench`'s counts, delays and sampling settings: refused by name (exit 2) before
+any fixture is built or daemon started; good ones parsed as the suites use them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from muser.cli.bench import _check_counts
+from muser.cli.main import main
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--draft-len", "-1"], "--draft-len must be >= 0, got -1"),
+        (["--q-top-k", "0"], "--q-top-k must be >= 1, got 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+        (["--seed", "-3"], "seed must be in [0, 2**32), got -3"),
+        (["--cluster-delays", "x"], "--cluster-delays: expected milliseconds >= 0"),
+        (["--cluster-delays", "0,-5"], "got '-5' in '0,-5'"),
+        (["--cluster-delays", "nan"], "got 'nan'"),
+        (["--suite", "sessions", "--sessions", "0,8"], "--sessions: expected counts >= 1"),
+        (["--suite", "sessions", "--sessions", "one"], "got 'one'"),
+        (["--suite", "sessions", "--sessions", ""], "got ''"),
+        (["--suite", "sessions", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    ],
+)
+def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, monkeypatch):
+    import muser.fixtures
+
+    def no_fixtures(*a, **k):
+        raise AssertionError("the refusal comes first")
+
+    monkeypatch.setattr(muser.fixtures, "build_fixtures", no_fixtures)
+    receipt = tmp_path / "r.json"
+    assert main(["bench", "--no-peers", "--receipt", str(receipt), *args]) == 2
+    assert says in capsys.readouterr().err
+    assert not receipt.exists()
+
+
+def namespace(**kw) -> argparse.Namespace:
+    base = dict(suite="lanes", max_tokens=4, repeats=1, draft_len=4, q_top_k=8, prompts=1)
+    base |= dict(temperature=0.0, seed=0, cluster_delays="0", sessions="1,8")
+    return argparse.Namespace(**(base | kw))
+
+
+def test_good_delays_and_session_counts_are_parsed():
+    args = namespace(cluster_delays=" 0, 5 ,20.5,")
+    _check_counts(args)
+    assert args.cluster_delays == [0.0, 5.0, 20.5]
+    args = namespace(cluster_delays="")
+    _check_counts(args)
+    assert args.cluster_delays == []  # no cluster lanes
+    args = namespace(suite="sessions", sessions="8, 1,8", prompts=0)  # --prompts: lanes only
+    _check_counts(args)
+    assert args.sessions == [1, 8] and args.cluster_delays == [0.0]
