@@ -41,6 +41,17 @@ def test_context_length_override_takes_effect(capsys):
     assert "20" in err and "context" in err
 
 
+def test_a_generation_past_the_context_window_is_refused_before_any_token(capsys):
+    """As the cluster's verifier refuses it at open: nothing on stdout, not a partial text
+    and then an overflow."""
+    for lane in ("plain", "local"):
+        code = main(["generate", "--lane", lane, "--prompt", PROMPT, "--max-tokens", "16",
+                     "--context-length", "30"])  # fmt: skip
+        out = capsys.readouterr()
+        assert code == 2 and out.out == ""
+        assert "with max_tokens 16 needs" in out.err and "context window is 30" in out.err
+
+
 def test_rope_theta_override_takes_effect(capsys):
     _, base, _ = generate(capsys, "--lane", "plain")
     _, changed, _ = generate(capsys, "--lane", "plain", "--rope-theta", "50")
