@@ -76,11 +76,7 @@ def check_params(
         raise InvalidSamplingParamsError(
             f"max_tokens {o.params.max_tokens} exceeds limits.max_tokens {limits.max_tokens}"
         )
-    for token in o.params.stop_tokens:
-        if not 0 <= token < vocab:
-            raise TokenOutOfVocabularyError(
-                f"stop token {token} outside the vocabulary [0, {vocab})"
-            )
+    check_stop_tokens(o.params, vocab)
     if o.capture_layers and not can_capture:
         raise CaptureLayerError(
             f"capture layers {list(o.capture_layers)} requested, but this verifier's target "
@@ -90,6 +86,14 @@ def check_params(
         if num_layers is not None and not 0 <= layer < num_layers:
             raise CaptureLayerError(
                 f"capture layer {layer} outside [0, {num_layers}) decoder layers"
+            )
+
+
+def check_stop_tokens(params: SamplingParams, vocab: int) -> None:
+    for token in params.stop_tokens:
+        if not 0 <= token < vocab:
+            raise TokenOutOfVocabularyError(
+                f"stop token {token} outside the vocabulary [0, {vocab})"
             )
 
 

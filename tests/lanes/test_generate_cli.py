@@ -52,6 +52,14 @@ def test_a_generation_past_the_context_window_is_refused_before_any_token(capsys
         assert "with max_tokens 16 needs" in out.err and "context window is 30" in out.err
 
 
+def test_a_stop_token_outside_the_vocabulary_is_refused(capsys):
+    for lane in ("plain", "local"):
+        code, _, err = generate(capsys, "--lane", lane, "--stop-token", "2048")
+        assert code == 2 and "stop token 2048 outside the vocabulary [0, 2048)" in err
+    code, _, _ = generate(capsys, "--lane", "plain", "--stop-token", "2047")
+    assert code == 0
+
+
 def test_rope_theta_override_takes_effect(capsys):
     _, base, _ = generate(capsys, "--lane", "plain")
     _, changed, _ = generate(capsys, "--lane", "plain", "--rope-theta", "50")
