@@ -24,6 +24,10 @@ from proposer_mac.session import ProposerSession
 log = logging.getLogger("muser.proposer")
 
 
+OPEN_S = 30
+"""Seconds a session open waits for the verifier (its channel reconnecting meanwhile)."""
+
+
 class DriverContext:
     """What every session runner shares: keys, the journal, the verifier channel, the
     draft thread."""
@@ -35,6 +39,7 @@ class DriverContext:
         verifiers: dict[str, Ed25519PublicKey],
         log,
         channel: grpc.aio.Channel,
+        verifier_address: str = "the verifier",
         speculate: bool = True,
         branches: int = 2,
         batch_with: MultiSequenceBackend | None = None,
@@ -54,6 +59,8 @@ class DriverContext:
         """Greedy: draft it on the first `branches` rejection points too, each with the
         draft's runner-up there (lane.speculate_branches; 0: full acceptance only)."""
         self.stub = pb_grpc.VerifierStub(channel)
+        self.verifier_address = verifier_address
+        """For messages: where `channel` leads."""
         self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self.drafts = DraftQueue(self.draft_pool, batch_with)
 
@@ -66,10 +73,14 @@ class DriverContext:
             s.open, s.epoch, self.private.sign(body), fragments, resume, chunks
         )
         try:
-            reply = await self.stub.OpenSession(request, wait_for_ready=True, timeout=30)
+            reply = await self.stub.OpenSession(request, wait_for_ready=True, timeout=OPEN_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise LinkDown(f"open session: {exc.code().name}: {exc.details()}") from exc
+                raise LinkDown(
+                    f"open session: no answer from the verifier at {self.verifier_address} "
+                    f"within {OPEN_S} s ({exc.code().name}: {exc.details()}); is it running? "
+                    "(`muser status --config FILE`)"
+                ) from exc
             raise RoundRefused(exc.code(), "open", exc.details() or "") from exc
         if reply.resumed:
             log.warning(

@@ -95,6 +95,7 @@ class ProposerCore:
             verifiers=self.verifiers,
             log=self.log,
             channel=self.channel,
+            verifier_address=config.verifier.address,
             speculate=config.lane.speculate,
             branches=config.lane.speculate_branches,
             send_on_decision=config.lane.send_on_decision,

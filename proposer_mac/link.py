@@ -30,6 +30,9 @@ from muser.wire import muser_v2_pb2_grpc as pb_grpc
 class LinkDown(MuserError):
     """The stream to the verifier broke; retry after reconnecting."""
 
+    code = grpc.StatusCode.UNAVAILABLE
+    """What a client is told when it cannot be retried for it (a session's first open)."""
+
 
 class RoundRefused(MuserError):
     """The verifier refused a request (in-band RoundError or an RPC status)."""

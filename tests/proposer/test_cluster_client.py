@@ -66,3 +66,27 @@ async def test_a_failure_is_not_a_refusal(key_set, tmp_path):
         await stop(c)
     assert not isinstance(err.value, ClusterRefusedError)
     assert err.value.exit_code == 3
+
+
+@pytest.mark.asyncio
+async def test_a_verifier_that_is_down_is_named_and_unavailable(key_set, tmp_path, monkeypatch):
+    """A new session whose open finds no verifier: UNAVAILABLE (not INTERNAL) with the
+    verifier's address, after the open's wait (shortened here)."""
+    import proposer_mac.context
+
+    monkeypatch.setattr(proposer_mac.context, "OPEN_S", 1)
+    c = await start(key_set, tmp_path)
+    address = f"127.0.0.1:{c.verifier.port}"
+    await c.verifier.stop()
+    try:
+        with pytest.raises(ClusterClientError) as err:
+            await client(c, PROMPT, PARAMS)
+    finally:
+        await c.channel.close()
+        await c.server.stop(None)
+        c.server.core.log.close()
+    message = str(err.value)
+    assert err.value.exit_code == 3 and not isinstance(err.value, ClusterRefusedError)
+    assert f"UNAVAILABLE: open session: no answer from the verifier at {address} within 1 s" in (
+        message
+    )
