@@ -258,9 +258,7 @@ async def test_oversized_message_is_refused_by_grpc(key_set, tmp_path):
         await v.stop()
 
 
-async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(
-    verifier, monkeypatch
-):
+async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(verifier, monkeypatch):
     import errno
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -74,9 +74,7 @@ def move(client, to: Verifier, public) -> None:
     client.verifier_public = public
 
 
-async def test_another_verifier_resumes_and_goes_on_as_the_first_would(
-    key_set, tmp_path, other
-):
+async def test_another_verifier_resumes_and_goes_on_as_the_first_would(key_set, tmp_path, other):
     out, head = await reference(key_set, tmp_path)
     a = await start(key_set, node(key_set, tmp_path / "a", other))
     b_config = node(key_set, tmp_path / "b", other, own="other")
@@ -275,9 +273,7 @@ async def test_a_resume_point_of_another_session_or_a_later_epoch_is_refused(mov
     await second.run(await second.attach(), rounds=1)
     second.stub = b.stub
     second.epoch = 1
-    details = await refused_at(
-        b, second.resume_session(), C.INVALID_ARGUMENT, "resume_mismatch"
-    )
+    details = await refused_at(b, second.resume_session(), C.INVALID_ARGUMENT, "resume_mismatch")
     assert "epoch 2" in details
     await refused_at(b, client.resume_session(resume=b"junk"), C.INVALID_ARGUMENT, "malformed")
 

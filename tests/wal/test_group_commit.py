@@ -119,7 +119,10 @@ def test_a_lone_append_async_writes_in_its_loop_and_fsyncs_in_the_pool(tmp_path,
         monkeypatch.setattr(
             _fs,
             "write_all",
-            lambda fd, data: (writers.append(threading.current_thread().name), real_write(fd, data)),
+            lambda fd, data: (
+                writers.append(threading.current_thread().name),
+                real_write(fd, data),
+            ),
         )
         syncers: list[str] = []
         real_fsync = _fs.fsync_file
