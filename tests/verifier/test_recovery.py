@@ -120,6 +120,52 @@ async def test_journal_interpreter_verifies_and_names_the_first_bad_record(key_s
         pass
 
 
+@pytest.mark.asyncio
+async def test_a_closed_session_leaves_only_its_summary(key_set, tmp_path):
+    """Closed sessions are refused whatever they held, so the daemon and a replay of its log
+    keep only their summaries: memory does not grow with the tokens of sessions served."""
+    import tracemalloc
+
+    from muser.records import close_message
+    from muser.wire import muser_v2_pb2 as pb
+
+    config = make_config(key_set, tmp_path / "wal")
+    v = await Verifier(config, key_set, FakeBackend).start()
+    summaries = {}
+    try:
+        for _ in range(4):
+            client = v.client(PARAMS)
+            await client.open_session()
+            await client.run(await client.attach())
+            sid = client.session_id
+            summaries[sid] = v.manager.replay.sessions[sid].summary()
+            signature = client.key.sign(close_message(sid, 1))
+            await v.stub.CloseSession(
+                pb.CloseSessionRequest(session_id=sid, epoch=1, signature=signature)
+            )
+        assert {sid: c.summary() for sid, c in v.manager.replay.closed.items()} == summaries
+        assert all(s["emitted"] == PARAMS.max_tokens for s in summaries.values())
+    finally:
+        await v.stop()
+    with FileLog(tmp_path / "wal" / "commit") as log:
+        records = [(r.seq, r.payload) for r in log.records()]
+    report = VerifierJournal().verify(records)  # `muser wal verify`: the same summaries
+    assert report.ok and report.sessions == [
+        dict(summaries[sid], closed=True) for sid in sorted(summaries)
+    ]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        replay = journal.Replay()
+        for _, payload in records:
+            replay.apply(journal.decode(payload))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(replay.closed) == 4 and not replay.sessions
+    assert held < 4 * 2048, f"{held} bytes held for 4 closed sessions"
+
+
 def test_entries_round_trip_and_refuse_garbage():
     e = journal.EpochEntry(b"\x01" * 16, 7)
     assert journal.decode(journal.encode(e)) == e
