@@ -78,6 +78,13 @@ class VerifierNode(_Strict):
     key: Path = Field(description="The verifier's Ed25519 private key (PEM, 0600).")
     public_key: Path = Field(description="Its public key; proposers enrol it.")
     wal_dir: Path = Field(description="Commit WAL directory (the log lives in WAL_DIR/commit).")
+    commit_compact_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="Snapshot the commit log once this many bytes of segments have "
+        "accumulated since the last snapshot (checked as sessions close); the log then drops "
+        "what the snapshot covers. 0 = never (the log grows with every round).",
+    )
     target: Path = Field(description="Target checkpoint directory (Hugging Face format).")
     backend: Literal["torch", "vllm"] = Field(
         "torch", description="Target backend; it must produce full probability rows."

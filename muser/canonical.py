@@ -49,6 +49,18 @@ def unpack_f64s(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<f8").astype(np.float64)
 
 
+def domain_of(data: bytes) -> str | None:
+    """The domain a canonical record of this version names; None for anything else (a log
+    holds several daemons' records, each interpreter reads its own)."""
+    head = len(MAGIC) + 4
+    if len(data) < head or bytes(data[: len(MAGIC)]) != MAGIC:
+        return None
+    version, dlen = struct.unpack_from("<HH", data, len(MAGIC))
+    if version != VERSION or len(data) < head + dlen:
+        return None
+    return bytes(data[head : head + dlen]).decode("ascii", "replace")
+
+
 class Writer:
     def __init__(self, domain: str) -> None:
         d = domain.encode("ascii")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from muser.canonical import Reader, Writer
+from muser.canonical import Reader, Writer, domain_of
 from muser.errors import RefusedError
 from muser.records import (
     RoundRequest,
@@ -46,6 +46,8 @@ SNAPSHOT_DOMAIN = "proposer-journal-snapshot-2"
 """2: each session keeps the request journaled ahead of its round in flight, too."""
 SNAPSHOT_DOMAIN_1 = "proposer-journal-snapshot"
 """The snapshot before requests went ahead: still read."""
+SNAPSHOT_DOMAINS = (SNAPSHOT_DOMAIN, SNAPSHOT_DOMAIN_1, None)
+"""The snapshots this interpreter reads (None: not a canonical record, refused by name)."""
 OPEN, PREPARED, COMMITTED, DONE = 1, 2, 3, 4
 
 
@@ -260,6 +262,8 @@ class WalInterpreter:
                 keymod.verify(keys[owner[sid]], signed.body, signed.signature, where)
 
         floor = 0
+        if snapshot is not None and domain_of(snapshot.data) not in SNAPSHOT_DOMAINS:
+            snapshot = None  # another daemon's (its interpreter checks it); junk is decoded
         if snapshot is not None:
             floor = snapshot.seq
             try:

@@ -150,6 +150,7 @@ def create_server(
             clock=clock,
             qualified_draft=qualified_draft,
             max_decode_len=config.lane.decode_len,
+            compact_bytes=config.verifier.commit_compact_bytes,
         )
         commit_log.on_fsync = manager.stats.observe_fsync
         inner = grpc.aio.server(

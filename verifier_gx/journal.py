@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
-from muser.canonical import CanonicalError, Reader, Writer
+from muser.canonical import CanonicalError, Reader, Writer, domain_of
 from muser.errors import (
     FragmentMismatchError,
     JournalError,
@@ -61,6 +61,7 @@ from muser.records import (
 )
 from muser.round import clip_emission
 from muser.sampling import SamplingParams
+from wal.base import Snapshot
 
 DOMAIN = "verifier-journal"
 OPEN, ROUND, EPOCH, CLOSE, RESUME = 1, 2, 3, 4, 5
@@ -421,7 +422,7 @@ class Replay:
             signed, result = entry.decode()
             state = self.session(result.session_id, f"ROUND {result.round}")
             if self.verifier_keys is not None:
-                _check_signature(self.verifier_keys, result.verifier_key_id, signed, "result")
+                check_signature(self.verifier_keys, result.verifier_key_id, signed, "result")
             post = state.check_round(result, entry.request_digest)
             state.apply_round(result, entry.request_digest, entry.signed, post)
             return state
@@ -450,7 +451,7 @@ class Replay:
             raise JournalError(f"OPEN of session {sid.hex()}: empty prompt")
         if self.proposer_keys is not None:
             signed = Signed(entry.open.signed_message(entry.epoch), entry.signature)
-            _check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "open")
+            check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "open")
         state = SessionState.fresh(entry)
         self.sessions[sid] = state
         return state
@@ -469,7 +470,7 @@ class Replay:
             raise JournalError(f"{what} at epoch {entry.epoch}, below its epoch {held.epoch}")
         if self.proposer_keys is not None:
             signed = Signed(entry.open.signed_message(entry.epoch, entry.resume), entry.signature)
-            _check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "resume")
+            check_signature(self.proposer_keys, entry.open.proposer_key_id, signed, "resume")
         try:
             state = SessionState.resumed(entry, self.verifier_keys)
         except RefusedError as exc:
@@ -478,7 +479,7 @@ class Replay:
         return state
 
 
-def _check_signature(
+def check_signature(
     known: Mapping[str, Ed25519PublicKey], key_id: str, signed: Signed, what: str
 ) -> None:
     public = known.get(key_id)
@@ -576,11 +577,23 @@ class VerifierJournal:
         *,
         verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
         proposer_keys: Mapping[str, Ed25519PublicKey] | None = None,
+        snapshot: Snapshot | None = None,
     ) -> JournalReport:
-        """Replay (seq, payload) records; stop at the first that does not fit."""
-        replay = Replay(verifier_keys, proposer_keys)
-        count, bad = 0, None
+        """Replay (seq, payload) records, after `snapshot` when the log was compacted
+        (verifier_gx.compaction; the records it covers are skipped); stop at the first that
+        does not fit."""
+        from verifier_gx.compaction import replay_from_snapshot
+
+        replay, floor, count, bad = Replay(verifier_keys, proposer_keys), 0, 0, None
+        if snapshot is not None:
+            floor = snapshot.seq
+            try:
+                replay = replay_from_snapshot(snapshot.data, verifier_keys, proposer_keys)
+            except (CanonicalError, JournalError) as exc:
+                return JournalReport(0, [], BadRecord(floor, f"snapshot at seq {floor}: {exc}"))
         for seq, payload in records:
+            if seq <= floor:
+                continue  # covered by the snapshot (kept until the next one drops it)
             count += 1
             try:
                 replay.apply(decode(payload))
@@ -611,12 +624,18 @@ class WalInterpreter:
 
     def check_chain(self, records, pubkeys, snapshot) -> str | None:
         from muser.walkeys import keys_by_id
+        from verifier_gx.compaction import SNAPSHOT_DOMAIN
 
+        if snapshot is not None and domain_of(snapshot.data) not in (SNAPSHOT_DOMAIN, None):
+            snapshot = None  # another daemon's (its interpreter checks it)
         mine = [(r.seq, r.payload) for r in records if VerifierJournal().matches(r.payload)]
-        if not mine:
+        if not mine and snapshot is None:
             return None
         keys = keys_by_id(pubkeys) if pubkeys else None
-        report = VerifierJournal().verify(mine, verifier_keys=keys)
+        report = VerifierJournal().verify(mine, verifier_keys=keys, snapshot=snapshot)
         if report.first_bad is not None:
-            return f"seq {report.first_bad.seq}: {report.first_bad.reason}"
+            bad = report.first_bad
+            return (
+                bad.reason if bad.reason.startswith("snapshot") else f"seq {bad.seq}: {bad.reason}"
+            )
         return None

@@ -73,6 +73,7 @@ from muser.records import (
     tokens_from_bytes,
 )
 from muser.stats import VerifierStats
+from muser.tasks import in_background
 from muser.verify import RoundDecision
 from verifier_gx import journal
 from verifier_gx.admission import (
@@ -85,6 +86,7 @@ from verifier_gx.admission import (
     read_prompt,
 )
 from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
+from verifier_gx.compaction import LogCompactor, replay_from_snapshot
 from verifier_gx.compute import RoundComputer, RoundJob
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import SessionState, short
@@ -149,7 +151,11 @@ class SessionManager:
         qualified_draft: tuple[str, str] | None = None,
         max_decode_len: int = 1,
         verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
+        compact_bytes: int = 0,
     ) -> None:
+        """`compact_bytes`: snapshot the commit log once this many bytes of segments piled
+        up since the last snapshot, checked as sessions close (verifier.commit_compact_bytes;
+        0 = never)."""
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
         self.max_decode_len = max_decode_len
         """The most tokens one draftless round may ask this verifier to decode (lane.decode_len)."""
@@ -178,6 +184,7 @@ class SessionManager:
             on_queue=self.stats.observe_queue,
         )
         self.replay = self._recover()
+        self.compactor = LogCompactor(log, compact_bytes)
 
     def _evicted(self) -> None:
         self.stats.kv_evictions += 1
@@ -185,10 +192,19 @@ class SessionManager:
     # ---- recovery -------------------------------------------------------------------------
 
     def _recover(self) -> journal.Replay:
-        if self.log.latest_snapshot() is not None:
-            raise JournalError("the commit log holds a snapshot; this verifier never writes one")
+        """The latest snapshot (verifier_gx.compaction), then every record after it."""
+        snap, start = self.log.latest_snapshot(), self.log.first_seq
         replay = journal.Replay(verifier_keys=self.verifier_keys)
-        for seq, payload in self.log.records(self.log.first_seq):
+        if snap is not None:
+            try:
+                replay = replay_from_snapshot(snap.data, self.verifier_keys)
+            except (CanonicalError, JournalError) as exc:
+                raise JournalError(
+                    f"commit log snapshot at seq {snap.seq} does not replay: {exc}. The "
+                    f"verifier refuses to start; check the log with `muser wal verify`"
+                ) from exc
+            start = snap.seq + 1
+        for seq, payload in self.log.records(start):
             try:
                 replay.apply(journal.decode(payload))
             except (CanonicalError, JournalError) as exc:
@@ -410,6 +426,7 @@ class SessionManager:
             self._locks.pop(session_id, None)
             self._looked_ahead.pop(session_id, None)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
+        in_background(self.compactor.maybe_compact(), "commit log compaction", log)
 
     # ---- fragments ------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ http = "127.0.0.1:{verifier_http_port}"
 key = "keys/verifier.key"
 public_key = "keys/verifier.pub"
 wal_dir = "wal/verifier"
+# snapshot the commit log (and drop what it covers) once this many bytes piled up; 0 = never
+commit_compact_bytes = 268435456
 target = "{target}"
 backend = "torch"
 {verifier_cpus}
