@@ -322,6 +322,14 @@ class Limits(_Strict):
         description="Seconds a ping may go unanswered before the connection is closed and "
         "its calls fail UNAVAILABLE (the proposer and the client then reconnect).",
     )
+    session_idle_s: float = Field(
+        3600.0,
+        ge=0,
+        description="Seconds a verifier keeps a session that nothing opens, attaches to or "
+        "sends a round for (its proposer gone for good, or finished without closing it); "
+        "then it closes the session, freeing its max_sessions slot, its KV and its state. A "
+        "proposer that comes back later is refused (session_closed). 0: never.",
+    )
 
     @model_validator(mode="after")
     def _batch_fits_the_kv(self) -> Limits:

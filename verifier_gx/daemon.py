@@ -50,6 +50,8 @@ class VerifierServer(grpc.aio.Server):
         self.manager = manager
         self.health = health_servicer
         self._fatal: asyncio.Task | None = None
+        self._expiry: asyncio.Task | None = None
+        """Closes idle sessions (limits.session_idle_s) while the server runs."""
 
     @property
     def key_id(self) -> str:
@@ -71,9 +73,12 @@ class VerifierServer(grpc.aio.Server):
         await self._inner.start()
         for name in ("", SERVICE):
             await self.health.set(name, SERVING)
+        self._expiry = asyncio.ensure_future(self.manager.expire_idle())
 
     async def stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
+        if self._expiry is not None:
+            self._expiry.cancel()
         await self._inner.stop(grace)
         self.manager.log.close()
 

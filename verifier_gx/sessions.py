@@ -131,6 +131,10 @@ class RoundOutcome:
     retry: bool
 
 
+_FREE = asyncio.Lock()
+"""Stands for the lock of a session that has none yet (never locked)."""
+
+
 def _background(coro: Coroutine) -> asyncio.Future:
     """Run `coro` as a task the caller's cancellation does not interrupt."""
     task = asyncio.ensure_future(coro)
@@ -185,6 +189,9 @@ class SessionManager:
         )
         self.replay = self._recover()
         self.compactor = LogCompactor(log, compact_bytes)
+        self._seen = dict.fromkeys(self.replay.sessions, clock())
+        """Per open session, when it was last opened, attached to or sent a round (`clock`;
+        `close_idle`)."""
 
     def _evicted(self) -> None:
         self.stats.kv_evictions += 1
@@ -267,6 +274,7 @@ class SessionManager:
     def attach(self, session_id: bytes, epoch: int) -> SessionState:
         state = self.state(session_id)
         self.check_epoch(state, epoch)
+        self._seen[session_id] = self.clock()
         return state
 
     # ---- open / close ---------------------------------------------------------------------
@@ -397,6 +405,8 @@ class SessionManager:
         return state.committed.get(point.round) == (point.request_digest, resume)
 
     def _reply(self, state: SessionState, resumed: bool = False) -> OpenReply:
+        """The answer to an open (new, again or resumed): the session is in use."""
+        self._seen[state.session_id] = self.clock()
         return OpenReply(
             state.session_id,
             state.open.genesis_head(),
@@ -418,15 +428,59 @@ class SessionManager:
             public = self._proposer_key(state.open.proposer_key_id)
             keys.verify(public, close_message(session_id, epoch), signature, "close")
             self.check_epoch(state, epoch)
-            entry = journal.CloseEntry(session_id)
-            await self.log.append_async(journal.encode(entry))
-            self.replay.apply(entry)
-            self.fragments.drop_session(session_id)
-            self.kv.drop(session_id)
-            self._locks.pop(session_id, None)
-            self._looked_ahead.pop(session_id, None)
+            await self.log.append_async(journal.encode(journal.CloseEntry(session_id)))
+            self._forget(session_id)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
         in_background(self.compactor.maybe_compact(), "commit log compaction", log)
+
+    def _forget(self, session_id: bytes) -> None:
+        """Apply a session's CLOSE, once durable, and drop all that was held for it."""
+        self.replay.apply(journal.CloseEntry(session_id))
+        self.fragments.drop_session(session_id)
+        self.kv.drop(session_id)
+        self._locks.pop(session_id, None)
+        self._looked_ahead.pop(session_id, None)
+        self._seen.pop(session_id, None)
+
+    async def close_idle(self) -> list[bytes]:
+        """Close every session idle for `limits.session_idle_s`: nothing opened, attached
+        to or sent a round for it meanwhile, and no round of it in progress. Its proposer is
+        gone for good (a live one drives its rounds back to back) or finished it without
+        closing it. Returns the ids closed."""
+        idle_s = self.limits.session_idle_s
+        stale = [
+            sid
+            for sid, seen in self._seen.items()
+            if idle_s and self.clock() - seen >= idle_s and not self._locks.get(sid, _FREE).locked()
+        ]
+        closed = []
+        for sid in stale:
+            async with self._lock(sid):
+                seen = self._seen.get(sid)
+                if seen is None or self.clock() - seen < idle_s:
+                    continue  # closed or used while we waited
+                state = self.replay.sessions[sid]
+                await self.log.append_async(journal.encode(journal.CloseEntry(sid)))
+                self._forget(sid)
+                log.info(
+                    "session %s closed: idle for %.0f s (limits.session_idle_s) after %d rounds",
+                    short(sid), self.clock() - seen, state.next_round,
+                )  # fmt: skip
+                closed.append(sid)
+        if closed:
+            in_background(self.compactor.maybe_compact(), "commit log compaction", log)
+        return closed
+
+    async def expire_idle(self) -> None:
+        """`close_idle` every quarter of `limits.session_idle_s` (at least once a minute),
+        until cancelled; returns at once when it is 0."""
+        idle_s = self.limits.session_idle_s
+        while idle_s:
+            await asyncio.sleep(min(idle_s / 4, 60.0))
+            try:
+                await self.close_idle()
+            except Exception as exc:  # the commit log failed: its appends refuse from now on
+                log.error("closing idle sessions failed: %s", exc)
 
     # ---- fragments ------------------------------------------------------------------------
 
@@ -453,6 +507,7 @@ class SessionManager:
         self.state(sid)
         async with self._lock(sid):
             state = self.state(sid)  # closed while we waited?
+            self._seen[sid] = self.clock()
             if request.proposer_key_id != state.open.proposer_key_id:
                 raise UnenrolledKeyError(
                     f"request signed by key {request.proposer_key_id!r}; session "

@@ -80,6 +80,9 @@ round_queue = 64
 # close it when no answer comes within keepalive_timeout_s (a peer that lost power)
 keepalive_s = 10.0
 keepalive_timeout_s = 10.0
+# the verifier: close a session nothing has opened, attached to or sent a round for in this
+# long (its proposer gone for good); a proposer that comes back later is refused. 0 = never
+session_idle_s = 3600.0
 """
 
 TLS_SECTION = """
