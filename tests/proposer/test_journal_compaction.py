@@ -189,46 +189,23 @@ async def test_a_snapshot_whose_chain_was_altered_fails_wal_verify(journal_of_a_
 
 
 async def test_a_compaction_cut_short_at_any_step_restarts_to_the_same_sessions(
-    key_set, tmp_path, small_segments, monkeypatch
+    key_set, tmp_path, small_segments
 ):
     """A crash during compaction leaves the journal directory as it stood at one of the
     snapshot's steps: its temp file written, renamed into place, each covered segment
     unlinked. Each of those directories, copied at that step, restarts to the sessions the
     finished compaction restarts to (none lost, none repeated) and passes `muser wal verify`."""
-    import os
-    import shutil
-    from pathlib import Path
-
-    from wal import _fs
+    from tests.wal.steps import copies_at_each_step
 
     c = await start(key_set, tmp_path, proposer={"journal_compact_bytes": 0}, finished_sessions=2)
-    states: list[Path] = []
     try:
         core = c.server.core
         runners = await run_sessions(c, 4)
         emitted = {r.session.session_id: list(r.session.emitted) for r in runners}
         config = core.config
         wal_dir = config.proposer.wal_dir
-
-        def keep_state() -> None:
-            states.append(shutil.copytree(wal_dir, tmp_path / f"crash{len(states)}"))
-
-        real_replace, real_unlink = os.replace, Path.unlink
-
-        def replace(src, dst):
-            keep_state()  # the temp snapshot written and synced, not yet in place
-            real_replace(src, dst)
-            keep_state()  # in place, no covered segment dropped yet
-
-        def unlink(path, missing_ok=False):
-            real_unlink(path, missing_ok=missing_ok)
-            if path.parent == wal_dir / "journal":
-                keep_state()  # one more covered segment gone
-
-        monkeypatch.setattr(_fs.os, "replace", replace)
-        monkeypatch.setattr(Path, "unlink", unlink)
-        snap = await asyncio.to_thread(core.compact_journal)
-        monkeypatch.undo()
+        with copies_at_each_step(wal_dir, wal_dir / "journal", tmp_path) as states:
+            snap = await asyncio.to_thread(core.compact_journal)
         assert snap is not None and core.log.first_seq > 1
     finally:
         await stop(c)

@@ -299,22 +299,17 @@ async def test_the_other_daemons_snapshot_is_left_to_its_interpreter(records_of_
 
 
 async def test_a_compaction_cut_short_at_any_step_restarts_to_the_same_sessions(
-    key_set, tmp_path, small_segments, monkeypatch
+    key_set, tmp_path, small_segments
 ):
     """A crash during compaction leaves the log directory as it stood at one of the
     snapshot's steps: its temp file written, renamed into place, each covered segment
     unlinked. Each of those directories, copied at that step, restarts to the sessions the
     finished compaction restarts to and passes `muser wal verify`."""
-    import os
-    import shutil
-    from pathlib import Path
-
-    from wal import _fs
+    from tests.wal.steps import copies_at_each_step
 
     config = config_with(key_set, tmp_path, 0)
     wal_dir = config.verifier.wal_dir
     v = await Verifier(config, key_set, FakeBackend).start()
-    states: list[Path] = []
     try:
         clients = [v.client(PARAMS) for _ in range(3)]
         for client, rounds in zip(clients, (None, None, 4), strict=True):
@@ -322,26 +317,8 @@ async def test_a_compaction_cut_short_at_any_step_restarts_to_the_same_sessions(
             await client.run(await client.attach(), rounds=rounds)
         await close(v, clients[0])
         before = held(v.manager.replay)
-
-        def keep_state() -> None:
-            states.append(shutil.copytree(wal_dir, tmp_path / f"crash{len(states)}"))
-
-        real_replace, real_unlink = os.replace, Path.unlink
-
-        def replace(src, dst):
-            keep_state()  # the temp snapshot written and synced, not yet in place
-            real_replace(src, dst)
-            keep_state()  # in place, no covered segment dropped yet
-
-        def unlink(path, missing_ok=False):
-            real_unlink(path, missing_ok=missing_ok)
-            if path.parent == wal_dir / "commit":
-                keep_state()  # one more covered segment gone
-
-        monkeypatch.setattr(_fs.os, "replace", replace)
-        monkeypatch.setattr(Path, "unlink", unlink)
-        snap = await asyncio.to_thread(v.manager.compactor.compact)
-        monkeypatch.undo()
+        with copies_at_each_step(wal_dir, wal_dir / "commit", tmp_path) as states:
+            snap = await asyncio.to_thread(v.manager.compactor.compact)
         assert snap is not None and v.manager.log.first_seq > 1
     finally:
         await v.stop()
