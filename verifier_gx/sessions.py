@@ -507,7 +507,6 @@ class SessionManager:
         self.state(sid)
         async with self._lock(sid):
             state = self.state(sid)  # closed while we waited?
-            self._seen[sid] = self.clock()
             if request.proposer_key_id != state.open.proposer_key_id:
                 raise UnenrolledKeyError(
                     f"request signed by key {request.proposer_key_id!r}; session "
@@ -516,6 +515,7 @@ class SessionManager:
             public = self._proposer_key(request.proposer_key_id)
             keys.verify(public, signed.body, signed.signature, f"round {request.round} request")
             self.check_epoch(state, request.epoch)
+            self._seen[sid] = self.clock()  # its proposer's: the session is in use
             stored = state.committed.get(request.round)
             if stored is not None:
                 return self._retry(state, request, digest, stored)

@@ -44,11 +44,15 @@ async def test_only_the_sessions_left_idle_are_closed(key_set, tmp_path):
         left, used, finished = (v.client(PARAMS) for _ in range(3))
         for client in (left, used, finished):
             await client.open_session()
-        await left.run(await left.attach(), rounds=2)
+        left_stream = await left.attach()
+        await left.run(left_stream, rounds=2)
         await finished.run(await finished.attach())  # done, never closed by its proposer
         stream = await used.attach()
         clock.now += 59
         await used.run(stream, rounds=1)  # a round: it is in use
+        forged = left.sign(left.draft_request(), key_set.stranger)
+        msg, _ = await left_stream.round_trip(forged)  # refused: it keeps nothing alive
+        assert msg.error.reason == "bad_signature"
         assert await v.manager.close_idle() == []  # 59 s is not 60
         clock.now += 1
         seq = v.wal_seq
