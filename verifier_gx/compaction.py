@@ -124,7 +124,7 @@ def _open_session(r: Reader, verifier_keys: Mapping[str, Ed25519PublicKey] | Non
     if not prompt or sha256(tokens_bytes(prompt)) != open_.prompt_digest:
         raise JournalError(f"{where}: the prompt does not hash to the open's prompt digest")
     rounds = sorted(committed)
-    if rounds != list(range(rounds[0] if rounds else next_round, next_round)):
+    if rounds != list(range(rounds[0] if rounds else 0, next_round)):
         raise JournalError(f"{where}: rounds {rounds} kept; expected every round to {next_round}")
     transcript = [*prompt, *generated]
     head, last = open_.genesis_head(), None

@@ -238,6 +238,10 @@ def drop_round(s):
     return dataclasses.replace(s, committed={r: c for r, c in s.committed.items() if r != 1})
 
 
+def no_rounds(s):
+    return dataclasses.replace(s, committed={})
+
+
 def extra_token(s):
     return dataclasses.replace(s, transcript=[*s.transcript, 5])
 
@@ -254,6 +258,7 @@ def another_mt(s):
         (swap_rounds, "round 1: the signed result is not this session's round", False),
         (forge_round, "round 1", True),
         (drop_round, "rounds [0, 2, 3] kept; expected every round to 4", False),
+        (no_rounds, "rounds [] kept; expected every round to 4", False),
         (extra_token, "the MT state or transcript is not its last round's", False),
         (another_mt, "the MT state or transcript is not its last round's", False),
     ],
