@@ -42,6 +42,8 @@ Verifier only (rounds of many sessions batched into one target forward):
     muser_kv_rebuilt_tokens_total           counter    transcript tokens re-evaluated
     muser_resumes_total                     counter    sessions resumed from a proposer's
                                                        signed round (another node, lost log)
+    muser_idle_closed_total                 counter    sessions closed after
+                                                       limits.session_idle_s unused
 
 Proposer only (rounds of many sessions drafted together, lane.draft_batch):
 
@@ -233,6 +235,11 @@ def _verifier_families(v: DaemonView) -> Iterator[Metric]:
         "muser_resumes",
         "Sessions resumed from a round this verifier did not hold, signed by an enrolled one.",
         value=s.resumes,
+    )
+    yield CounterMetricFamily(
+        "muser_idle_closed",
+        "Sessions this verifier closed itself after limits.session_idle_s without use.",
+        value=s.idle_closed,
     )
 
 

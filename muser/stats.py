@@ -333,6 +333,8 @@ class VerifierStats(LaneStats, DaemonStats):
     retries: int = 0
     resumes: int = 0
     """Sessions this verifier resumed from a round it did not hold (an open's resume point)."""
+    idle_closed: int = 0
+    """Sessions this verifier closed itself after limits.session_idle_s without use."""
     phases: dict[str, Histogram] = field(default_factory=lambda: _phase_histograms(VERIFIER_PHASES))
     batches: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)

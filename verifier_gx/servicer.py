@@ -388,6 +388,8 @@ def status_json(manager: SessionManager) -> dict:
         "key_id": manager.key_id,
         **common,
         "closed_sessions": len(manager.replay.closed),
+        "idle_closed": s.idle_closed,
+        "snapshot_seq": getattr(manager.log.latest_snapshot(), "seq", None),
         "committed_rounds": sum(st.next_round for st in states),
         "retries": s.retries,
         "resumes": s.resumes,

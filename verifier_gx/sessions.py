@@ -462,6 +462,7 @@ class SessionManager:
                 state = self.replay.sessions[sid]
                 await self.log.append_async(journal.encode(journal.CloseEntry(sid)))
                 self._forget(sid)
+                self.stats.idle_closed += 1
                 log.info(
                     "session %s closed: idle for %.0f s (limits.session_idle_s) after %d rounds",
                     short(sid), self.clock() - seen, state.next_round,

@@ -183,10 +183,11 @@ def test_exposition_holds_the_observed_values(known):
 
 def test_the_verifier_exposition_counts_resumed_sessions(known):
     stats = known.lane
-    stats.resumes = 2
+    stats.resumes, stats.idle_closed = 2, 3
     view = dataclasses.replace(known, verifier=stats, round_queue=0, kv_sessions=1)
     got = samples(exposition(lambda: view))
     assert got[("muser_resumes_total", ())] == 2.0
+    assert got[("muser_idle_closed_total", ())] == 3.0
 
 
 def test_proposer_exposition_has_every_phase_and_no_retries(tmp_path):

@@ -95,6 +95,9 @@ async def test_closing_past_the_threshold_compacts_and_a_restart_goes_on_the_sam
         await close(v, closed)
         snap = await compacted(v)
         assert v.manager.log.first_seq > 1  # the segments the snapshot covers are gone
+        from verifier_gx.servicer import status_json
+
+        assert status_json(v.manager)["snapshot_seq"] == snap.seq  # `muser status --json`
         before = {c.session_id: v.snapshot(c.session_id) for c in (going, finished)}
         summary = v.manager.replay.closed[closed.session_id]
     finally:

@@ -58,6 +58,7 @@ async def test_only_the_sessions_left_idle_are_closed(key_set, tmp_path):
         seq = v.wal_seq
         closed = await v.manager.close_idle()
         assert set(closed) == {left.session_id, finished.session_id}
+        assert v.manager.stats.idle_closed == 2  # muser_idle_closed_total, `muser status`
         assert v.wal_seq == seq + 2
         records = [r.payload for r in v.manager.log.records(seq + 1)]
         assert [journal.decode(p) for p in records] == [journal.CloseEntry(sid) for sid in closed]
