@@ -360,3 +360,41 @@ def test_a_generation_moves_to_another_verifier_node_and_back(tmp_path, fixture_
     # a round that key signed
     out = muser("wal", "verify", str(wals[0]), "--pubkey", str(tmp_path / "keys/verifier.pub"))
     assert out.returncode != 0 and "resume" in (out.stdout + out.stderr).lower()
+
+
+def test_sigkill_while_the_verifier_compacts_after_every_session_changes_nothing(
+    tmp_path, fixture_pair
+):
+    """The verifier snapshots its commit log as each session closes (commit_compact_bytes =
+    1) and is SIGKILLed and restarted right after sessions end, where the close and the
+    compaction run. Every session's tokens equal the same session's uncrashed run, the log
+    holds a snapshot, and both logs verify through it."""
+    cluster = make_cluster(
+        tmp_path,
+        fixture_pair,
+        draft_len=2,
+        edit=lambda t: t.replace("commit_compact_bytes = 268435456", "commit_compact_bytes = 1"),
+    )
+    assert cluster.config.verifier.commit_compact_bytes == 1
+    tok = AutoTokenizer.from_pretrained(str(fixture_pair.target))
+    prompts = [tok.encode(p, add_special_tokens=False) for p in natural_prompts(6)]
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=77)
+    rng = random.Random(11)
+    cluster.start()
+    try:
+        first = [stream_generate(cluster.address, p, params)["tokens"] for p in prompts]
+        killed = 0
+        for prompt, tokens in zip(prompts, first, strict=True):
+            again = stream_generate(cluster.address, prompt, params, limits=cluster.config.limits)
+            assert again["tokens"] == tokens
+            time.sleep(rng.uniform(0, 0.03))  # into the close and its compaction
+            cluster.verifier.kill()
+            cluster.verifier.start()
+            killed += 1
+    finally:
+        cluster.stop()
+    assert killed == len(prompts)
+    commit = cluster.config.verifier.wal_dir / "commit"
+    with FileLog(commit) as log:
+        assert log.latest_snapshot() is not None
+    assert_wals_verify(cluster)
