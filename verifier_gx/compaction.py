@@ -87,7 +87,7 @@ def replay_from_snapshot(
     for _ in range(r.u32()):
         state = _open_session(r, verifier_keys)
         if state.session_id in replay.sessions:
-            raise JournalError(f"snapshot: session {state.session_id.hex()} twice")
+            raise JournalError(f"session {state.session_id.hex()} twice")
         replay.sessions[state.session_id] = state
     for _ in range(r.u32()):
         sid, epoch, rounds, emitted, done = r.raw(16), r.u64(), r.u64(), r.u64(), r.u32()
@@ -95,7 +95,7 @@ def replay_from_snapshot(
             sid, epoch, rounds, emitted, _flag(done, sid), r.raw(32), r.raw(32)
         )
         if sid in replay.sessions or sid in replay.closed:
-            raise JournalError(f"snapshot: session {sid.hex()} twice")
+            raise JournalError(f"session {sid.hex()} twice")
         replay.closed[sid] = summary
     r.end()
     return replay
@@ -103,7 +103,7 @@ def replay_from_snapshot(
 
 def _flag(value: int, sid: bytes) -> bool:
     if value > 1:
-        raise JournalError(f"snapshot: session {sid.hex()}: done flag {value}, expected 0 or 1")
+        raise JournalError(f"session {sid.hex()}: done flag {value}, expected 0 or 1")
     return bool(value)
 
 
@@ -111,7 +111,7 @@ def _open_session(r: Reader, verifier_keys: Mapping[str, Ed25519PublicKey] | Non
     open_ = SessionOpen.decode(r.blob())
     epoch, prompt, signature, generated = r.u64(), r.u32s(), r.blob(), r.u32s()
     sid = open_.session_id
-    where = f"snapshot: session {sid.hex()}"
+    where = f"session {sid.hex()}"
     try:
         mt = Mt19937.from_bytes(r.blob())
     except ValueError as exc:
