@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from muser.canonical import Reader, Writer
+from muser.canonical import CanonicalError, Reader, Writer
 from muser.errors import JournalError
 from muser.mt19937 import Mt19937
 from muser.records import (
@@ -99,6 +99,27 @@ def replay_from_snapshot(
         replay.closed[sid] = summary
     r.end()
     return replay
+
+
+def replay_log(log, verifier_keys: Mapping[str, Ed25519PublicKey] | None = None):
+    """The log's latest snapshot, then every durable record after it: the Replay and the
+    last seq read (the snapshot's when no record follows it; 0 for an empty log). A part
+    that does not replay raises JournalError naming it ("snapshot at seq N", "record N")."""
+    snap = log.latest_snapshot()
+    replay, last = Replay(verifier_keys=verifier_keys), 0
+    if snap is not None:
+        try:
+            replay = replay_from_snapshot(snap.data, verifier_keys)
+        except (CanonicalError, JournalError) as exc:
+            raise JournalError(f"snapshot at seq {snap.seq} does not replay: {exc}") from exc
+        last = snap.seq
+    for record in log.records(last + 1 if snap is not None else log.first_seq):
+        try:
+            replay.apply(decode(record.payload))
+        except (CanonicalError, JournalError) as exc:
+            raise JournalError(f"record {record.seq} does not replay: {exc}") from exc
+        last = record.seq
+    return replay, last
 
 
 def _flag(value: int, sid: bytes) -> bool:
@@ -177,12 +198,8 @@ class LogCompactor:
         covers. Blocking: call it off the event loop. None when nothing was written since
         the last snapshot."""
         with self._compacting:
-            snap = self.log.latest_snapshot()
-            replay = replay_from_snapshot(snap.data) if snap is not None else Replay()
-            last = snap.seq if snap is not None else 0
-            for record in self.log.records(last + 1 if snap is not None else self.log.first_seq):
-                replay.apply(decode(record.payload))
-                last = record.seq
+            snap = self.log.latest_snapshot()  # only this lock's holder writes one
+            replay, last = replay_log(self.log)  # chains only (see the module note)
             if last == (snap.seq if snap is not None else 0):
                 return None
             data = snapshot_of(replay)

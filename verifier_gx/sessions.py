@@ -44,7 +44,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cluster_config.schema import Limits
 from muser import keys
 from muser.backend import ModelBackend, ModelIdentity
-from muser.canonical import CanonicalError
 from muser.errors import (
     EquivocationError,
     FragmentMismatchError,
@@ -86,7 +85,7 @@ from verifier_gx.admission import (
     read_prompt,
 )
 from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
-from verifier_gx.compaction import LogCompactor, replay_from_snapshot
+from verifier_gx.compaction import LogCompactor, replay_log
 from verifier_gx.compute import RoundComputer, RoundJob
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import SessionState, short
@@ -200,26 +199,13 @@ class SessionManager:
 
     def _recover(self) -> journal.Replay:
         """The latest snapshot (verifier_gx.compaction), then every record after it."""
-        snap, start = self.log.latest_snapshot(), self.log.first_seq
-        replay = journal.Replay(verifier_keys=self.verifier_keys)
-        if snap is not None:
-            try:
-                replay = replay_from_snapshot(snap.data, self.verifier_keys)
-            except (CanonicalError, JournalError) as exc:
-                raise JournalError(
-                    f"commit log snapshot at seq {snap.seq} does not replay: {exc}. The "
-                    f"verifier refuses to start; check the log with `muser wal verify`"
-                ) from exc
-            start = snap.seq + 1
-        for seq, payload in self.log.records(start):
-            try:
-                replay.apply(journal.decode(payload))
-            except (CanonicalError, JournalError) as exc:
-                raise JournalError(
-                    f"commit log record {seq} does not replay: {exc}. The verifier refuses to "
-                    f"start; check the log with `muser wal verify`"
-                ) from exc
-        return replay
+        try:
+            return replay_log(self.log, self.verifier_keys)[0]
+        except JournalError as exc:
+            raise JournalError(
+                f"commit log {exc}. The verifier refuses to start; check the log with "
+                "`muser wal verify`"
+            ) from exc
 
     # ---- lookups --------------------------------------------------------------------------
 
