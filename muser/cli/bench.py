@@ -89,6 +89,22 @@ def register(sub, name: str, help_text: str) -> None:
     )
     p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
     p.add_argument(
+        "--widen-target",
+        type=int,
+        default=1,
+        metavar="F",
+        help="run every lane and peer on the fixture target widened F times: the same logits "
+        "at about F*F times the arithmetic a forward, a stand-in for a target whose forward "
+        "dwarfs a round's fixed costs (muser/fixtures/widen.py; default 1, the fixture itself)",
+    )
+    p.add_argument(
+        "--widen-draft",
+        type=int,
+        default=1,
+        metavar="F",
+        help="the same for the draft (default 1); equal factors keep the pair's cost ratio",
+    )
+    p.add_argument(
         "--receipt", type=Path, default=None, help="receipt path (default bench-receipts/)"
     )
     p.add_argument("--wal-dir", type=Path, default=None, help="directory for --suite wal")
@@ -124,6 +140,7 @@ def _check_counts(args: argparse.Namespace) -> None:
 
     least = {"--max-tokens": (args.max_tokens, 1), "--repeats": (args.repeats, 1)}
     least |= {"--draft-len": (args.draft_len, 0), "--q-top-k": (args.q_top_k, 1)}
+    least |= {"--widen-target": (args.widen_target, 1), "--widen-draft": (args.widen_draft, 1)}
     if args.suite == "lanes":
         least["--prompts"] = (args.prompts, 1)
     for flag, (value, low) in least.items():
@@ -208,7 +225,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
     delays = args.cluster_delays  # milliseconds (_check_counts)
     variants = _variants(args.cluster_variant, delays)
     fixtures = build_fixtures(progress=not args.json)
-    pair = fixtures.periodic if args.periodic else fixtures.natural
+    pair = _widened(fixtures.periodic if args.periodic else fixtures.natural, args)
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
     texts = [periodic_prompt()] * args.prompts if args.periodic else natural_prompts(args.prompts)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
@@ -256,6 +273,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
         "fixture": "periodic (control)" if args.periodic else "natural",
         "target": str(pair.target),
         "draft": str(pair.draft),
+        "widen": {"target": args.widen_target, "draft": args.widen_draft},
         "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
         "draft_len": args.draft_len,
         "draft_range": list(draft_range) if draft_range else None,
@@ -329,6 +347,14 @@ def _cores(lanes: dict) -> dict[str, dict[str, int]]:
     return out
 
 
+def _widened(pair, args: argparse.Namespace):
+    """The pair with each model widened as --widen-target and --widen-draft say (1: as built)."""
+    from muser.fixtures import FixturePair
+    from muser.fixtures.widen import widen
+
+    return FixturePair(widen(pair.target, args.widen_target), widen(pair.draft, args.widen_draft))
+
+
 def _draft_range(args: argparse.Namespace) -> tuple[int, int] | None:
     from muser.cli._common import parse_draft_range
 
@@ -365,7 +391,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
 
     sessions = args.sessions  # distinct counts, ascending (_check_counts)
     variants = _variants(args.cluster_variant, [0.0])
-    pair = build_fixtures(progress=not args.json).natural
+    pair = _widened(build_fixtures(progress=not args.json).natural, args)
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
     prompts = [encode_prompt(tokenizer, t) for t in natural_prompts(max(sessions))]
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
@@ -414,6 +440,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
         "fixture": "natural",
         "target": str(pair.target),
         "draft": str(pair.draft),
+        "widen": {"target": args.widen_target, "draft": args.widen_draft},
         "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
         "draft_len": args.draft_len,
         "draft_range": list(draft_range) if draft_range else None,

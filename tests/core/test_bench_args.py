@@ -28,6 +28,9 @@ from muser.cli.main import main
         (["--suite", "sessions", "--sessions", "one"], "got 'one'"),
         (["--suite", "sessions", "--sessions", ""], "got ''"),
         (["--suite", "sessions", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--widen-target", "0"], "--widen-target must be >= 1, got 0"),
+        (["--suite", "sessions", "--widen-target", "-4"], "--widen-target must be >= 1, got -4"),
+        (["--widen-draft", "0"], "--widen-draft must be >= 1, got 0"),
     ],
 )
 def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, monkeypatch):
@@ -46,6 +49,7 @@ def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, mo
 def namespace(**kw) -> argparse.Namespace:
     base = dict(suite="lanes", max_tokens=4, repeats=1, draft_len=4, q_top_k=8, prompts=1)
     base |= dict(temperature=0.0, seed=0, cluster_delays="0", sessions="1,8")
+    base |= dict(widen_target=1, widen_draft=1)
     return argparse.Namespace(**(base | kw))
 
 
@@ -59,3 +63,45 @@ def test_good_delays_and_session_counts_are_parsed():
     args = namespace(suite="sessions", sessions="8, 1,8", prompts=0)  # --prompts: lanes only
     _check_counts(args)
     assert args.sessions == [1, 8] and args.cluster_delays == [0.0]
+
+
+class Started(Exception):
+    """Raised where the suite would start its first run: what it was given is recorded."""
+
+
+@pytest.mark.parametrize("suite", ["lanes", "sessions"])
+def test_widening_gives_every_lane_the_widened_models(suite, tmp_path, monkeypatch):
+    import shutil
+
+    import muser.bench_cluster
+    import muser.bench_sessions
+    import muser.benchmark
+    import muser.fixtures
+    from muser.fixtures import FixturePair, Fixtures
+    from muser.fixtures.widen import widened_dir
+
+    fixtures = muser.fixtures.build_fixtures(progress=False)
+    pair = FixturePair(
+        shutil.copytree(fixtures.natural.target, tmp_path / "target"),
+        shutil.copytree(fixtures.natural.draft, tmp_path / "draft"),
+    )
+    monkeypatch.setattr(
+        muser.fixtures, "build_fixtures", lambda **k: Fixtures(pair, pair, tmp_path)
+    )
+    given = []
+
+    def oracle(target, *a, **k):
+        given.append(target)
+
+    def started(target, draft, *a, **k):
+        given.append((target, draft))
+        raise Started
+
+    monkeypatch.setattr(muser.benchmark, "build_lanes", started)  # the lanes and the peers
+    monkeypatch.setattr(muser.bench_sessions, "oracle_tokens", oracle)  # the sessions' oracle
+    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", started)  # the sessions' cluster
+    with pytest.raises(Started):
+        main(["bench", "--suite", suite, "--widen-target", "4", "--widen-draft", "2"])
+    wide = (widened_dir(pair.target, 4), widened_dir(pair.draft, 2))
+    assert given == ([wide[0]] if suite == "sessions" else []) + [wide]
+    assert all((d / "config.json").is_file() for d in wide)
