@@ -2,6 +2,7 @@
 
 muser fixtures build [--out DIR] [--force] [--json]
 muser fixtures info [--out DIR] [--json]
+muser fixtures widen --factor F [--draft-factor F] [--out DIR] [--json]
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 
 def register(subparsers: Any, name: str, help_text: str) -> None:
-    """Add `fixtures build` and `fixtures info` to the top-level parser."""
+    """Add `fixtures build`, `info` and `widen` to the top-level parser."""
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
     sub = parser.add_subparsers(dest="fixtures_command", metavar="ACTION")
     parser.set_defaults(func=lambda _args: _usage(parser))
@@ -34,6 +35,22 @@ def register(subparsers: Any, name: str, help_text: str) -> None:
     )
     _common(info)
     info.set_defaults(func=run_info)
+
+    widen = sub.add_parser(
+        "widen",
+        help="write the natural pair widened F times (same logits, about F*F the arithmetic); "
+        "prints their paths",
+        description="Widen the natural target and draft (muser/fixtures/widen.py; "
+        "docs/fixtures.md, 'Widened stand-ins'), written once beside the built pair. Use the "
+        "paths with `muser config init --target T --draft D` or `muser generate --target T "
+        "--draft D`; `muser bench --widen-target F --widen-draft F` does this itself.",
+    )
+    _common(widen)
+    widen.add_argument("--factor", type=int, required=True, help="the target's factor (>= 1)")
+    widen.add_argument(
+        "--draft-factor", type=int, default=None, help="the draft's factor (default: --factor)"
+    )
+    widen.set_defaults(func=run_widen)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +102,30 @@ def run_info(args: argparse.Namespace) -> int:
                 print(f"{key + '.' + sub:37s} {_fmt(v)}")
         else:
             print(f"{key:37s} {_fmt(value)}")
+    return 0
+
+
+def run_widen(args: argparse.Namespace) -> int:
+    """Widen the natural pair; print where the widened checkpoints are."""
+    from muser.fixtures import build_fixtures
+    from muser.fixtures.widen import widen
+
+    draft_factor = args.factor if args.draft_factor is None else args.draft_factor
+    for flag, value in (("--factor", args.factor), ("--draft-factor", draft_factor)):
+        if value < 1:  # before the fixtures are built
+            from muser.errors import RefusedError
+
+            raise RefusedError(f"{flag} must be >= 1, got {value}")
+    pair = build_fixtures(args.out, progress=not args.json).natural
+    paths = {
+        "natural_target": str(widen(pair.target, args.factor)),
+        "natural_draft": str(widen(pair.draft, draft_factor)),
+    }
+    if args.json:
+        print(json.dumps(paths | {"factor": args.factor, "draft_factor": draft_factor}))
+    else:
+        for label, path in paths.items():
+            print(f"{label:16s} {path}")
     return 0
 
 
