@@ -541,6 +541,11 @@ def describe(payload: bytes) -> dict:
 class BadRecord:
     seq: int
     reason: str
+    snapshot: bool = False
+    """The snapshot at `seq` does not replay (not the record at `seq`)."""
+
+    def __str__(self) -> str:
+        return f"{'snapshot at seq' if self.snapshot else 'seq'} {self.seq}: {self.reason}"
 
 
 @dataclass
@@ -590,7 +595,7 @@ class VerifierJournal:
             try:
                 replay = replay_from_snapshot(snapshot.data, verifier_keys, proposer_keys)
             except (CanonicalError, JournalError) as exc:
-                return JournalReport(0, [], BadRecord(floor, f"snapshot at seq {floor}: {exc}"))
+                return JournalReport(0, [], BadRecord(floor, str(exc), snapshot=True))
         for seq, payload in records:
             if seq <= floor:
                 continue  # covered by the snapshot (kept until the next one drops it)
@@ -633,9 +638,4 @@ class WalInterpreter:
             return None
         keys = keys_by_id(pubkeys) if pubkeys else None
         report = VerifierJournal().verify(mine, verifier_keys=keys, snapshot=snapshot)
-        if report.first_bad is not None:
-            bad = report.first_bad
-            return (
-                bad.reason if bad.reason.startswith("snapshot") else f"seq {bad.seq}: {bad.reason}"
-            )
-        return None
+        return None if report.first_bad is None else str(report.first_bad)

@@ -130,10 +130,6 @@ class RoundOutcome:
     retry: bool
 
 
-_FREE = asyncio.Lock()
-"""Stands for the lock of a session that has none yet (never locked)."""
-
-
 def _background(coro: Coroutine) -> asyncio.Future:
     """Run `coro` as a task the caller's cancellation does not interrupt."""
     task = asyncio.ensure_future(coro)
@@ -428,6 +424,11 @@ class SessionManager:
         self._looked_ahead.pop(session_id, None)
         self._seen.pop(session_id, None)
 
+    def _in_progress(self, session_id: bytes) -> bool:
+        """True while a request of the session holds its lock (a round being served)."""
+        lock = self._locks.get(session_id)
+        return lock is not None and lock.locked()
+
     async def close_idle(self) -> list[bytes]:
         """Close every session idle for `limits.session_idle_s`: nothing opened, attached
         to or sent a round for it meanwhile, and no round of it in progress. Its proposer is
@@ -437,7 +438,7 @@ class SessionManager:
         stale = [
             sid
             for sid, seen in self._seen.items()
-            if idle_s and self.clock() - seen >= idle_s and not self._locks.get(sid, _FREE).locked()
+            if idle_s and self.clock() - seen >= idle_s and not self._in_progress(sid)
         ]
         closed = []
         for sid in stale:

@@ -273,7 +273,8 @@ async def test_an_altered_snapshot_fails_wal_verify_and_the_daemon_refuses_it(
     data, last = altered(records, change), records[-1][0]
     vkeys, _ = keys_of(key_set)
     report = VerifierJournal().verify(records, verifier_keys=vkeys, snapshot=Snapshot(last, data))
-    assert not report.ok and report.first_bad.reason.startswith(f"snapshot at seq {last}: ")
+    assert not report.ok and str(report.first_bad).startswith(f"snapshot at seq {last}: ")
+    assert report.first_bad.snapshot and report.first_bad.seq == last
     assert says in report.first_bad.reason
     unkeyed = VerifierJournal().verify(records, snapshot=Snapshot(last, data))
     assert unkeyed.ok == needs_keys  # a forged signature needs the keys to be seen
