@@ -107,14 +107,13 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_widen(args: argparse.Namespace) -> int:
     """Widen the natural pair; print where the widened checkpoints are."""
+    from muser.errors import RefusedError
     from muser.fixtures import build_fixtures
     from muser.fixtures.widen import widen
 
     draft_factor = args.factor if args.draft_factor is None else args.draft_factor
     for flag, value in (("--factor", args.factor), ("--draft-factor", draft_factor)):
         if value < 1:  # before the fixtures are built
-            from muser.errors import RefusedError
-
             raise RefusedError(f"{flag} must be >= 1, got {value}")
     pair = build_fixtures(args.out, progress=not args.json).natural
     paths = {
