@@ -300,6 +300,8 @@ def _run_lanes(args: argparse.Namespace) -> int:
         return code
     if args.periodic:
         print("CONTROL (periodic fixture): calibrates the harness, never quoted as a result")
+    if widened := _widened_label(args):
+        print(widened)
     print(format_table(summary))
     for lane, note in notes.items():
         print(f"note: {lane}: {note}")
@@ -353,6 +355,16 @@ def _widened(pair, args: argparse.Namespace):
     from muser.fixtures.widen import widen
 
     return FixturePair(widen(pair.target, args.widen_target), widen(pair.draft, args.widen_draft))
+
+
+def _widened_label(args: argparse.Namespace) -> str | None:
+    """The line above the table of a run on widened models (None: the pair as built)."""
+    if (args.widen_target, args.widen_draft) == (1, 1):
+        return None
+    return (
+        f"WIDENED PAIR: target x{args.widen_target}, draft x{args.widen_draft} (the same "
+        "logits, heavier forwards: docs/fixtures.md, 'Widened stand-ins')"
+    )
 
 
 def _draft_range(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -463,6 +475,8 @@ def _run_sessions(args: argparse.Namespace) -> int:
         out = {"summary": summary, "receipt": str(receipt), "sha256": digest}
         print(json.dumps(out | {"interrupted": interrupted}))
         return code
+    if widened := _widened_label(args):
+        print(widened)
     print(format_sessions(summary))
     if interrupted:
         print(f"INTERRUPTED: {interrupted}; the table and receipt hold only those")

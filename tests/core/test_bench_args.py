@@ -105,3 +105,12 @@ def test_widening_gives_every_lane_the_widened_models(suite, tmp_path, monkeypat
     wide = (widened_dir(pair.target, 4), widened_dir(pair.draft, 2))
     assert given == ([wide[0]] if suite == "sessions" else []) + [wide]
     assert all((d / "config.json").is_file() for d in wide)
+
+
+def test_a_widened_run_says_so_above_its_table():
+    from muser.cli.bench import _widened_label
+
+    assert _widened_label(namespace()) is None
+    assert _widened_label(namespace(widen_target=8, widen_draft=1)).startswith(
+        "WIDENED PAIR: target x8, draft x1 "
+    )
