@@ -410,13 +410,13 @@ class SessionManager:
             public = self._proposer_key(state.open.proposer_key_id)
             keys.verify(public, close_message(session_id, epoch), signature, "close")
             self.check_epoch(state, epoch)
-            await self.log.append_async(journal.encode(journal.CloseEntry(session_id)))
-            self._forget(session_id)
+            await self._journal_close(session_id)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
         in_background(self.compactor.maybe_compact(), "commit log compaction", log)
 
-    def _forget(self, session_id: bytes) -> None:
-        """Apply a session's CLOSE, once durable, and drop all that was held for it."""
+    async def _journal_close(self, session_id: bytes) -> None:
+        """Journal a session's CLOSE; once durable, apply it and drop all held for it."""
+        await self.log.append_async(journal.encode(journal.CloseEntry(session_id)))
         self.replay.apply(journal.CloseEntry(session_id))
         self.fragments.drop_session(session_id)
         self.kv.drop(session_id)
@@ -447,8 +447,7 @@ class SessionManager:
                 if seen is None or self.clock() - seen < idle_s:
                     continue  # closed or used while we waited
                 state = self.replay.sessions[sid]
-                await self.log.append_async(journal.encode(journal.CloseEntry(sid)))
-                self._forget(sid)
+                await self._journal_close(sid)
                 self.stats.idle_closed += 1
                 log.info(
                     "session %s closed: idle for %.0f s (limits.session_idle_s) after %d rounds",
