@@ -30,6 +30,10 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_wal_bytes                         gauge      bytes on disk in the WAL directory
     muser_refusals_total{reason,code}       counter    refusals by reason and gRPC status
     muser_retries_total                     counter    retries answered from the WAL (verifier)
+    muser_gc_frozen_objects                 gauge      objects frozen out of the cyclic
+                                                       collector at startup (muser.heap)
+    muser_gc_collections_total{generation}  counter    the collector's passes
+    muser_gc_pause_seconds_total{generation} counter   time they held the GIL
 
 Verifier only (rounds of many sessions batched into one target forward):
 
@@ -67,6 +71,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from muser import heap
 from muser.stats import (
     RATE_WINDOW_S,
     DaemonStats,
@@ -156,6 +161,7 @@ def status_fields(view: DaemonView) -> dict:
             "fsync_p99_s": fsync.quantile(0.99),
             "fsync_max_s": fsync.max,
         },
+        "gc": heap.WATCH.status(),
     }
 
 
@@ -241,6 +247,27 @@ def _verifier_families(v: DaemonView) -> Iterator[Metric]:
         "Sessions this verifier closed itself after limits.session_idle_s without use.",
         value=s.idle_closed,
     )
+
+
+def _gc_families(gc: dict) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "muser_gc_frozen_objects",
+        "Objects frozen out of Python's cyclic collector once the daemon had loaded.",
+        value=gc["frozen"],
+    )
+    passes = CounterMetricFamily(
+        "muser_gc_collections", "Passes of Python's cyclic collector.", labels=["generation"]
+    )
+    pauses = CounterMetricFamily(
+        "muser_gc_pause_seconds",
+        "Seconds Python's cyclic collector ran (holding the GIL: every thread waits).",
+        labels=["generation"],
+    )
+    for generation in heap.GENERATIONS:
+        passes.add_metric([str(generation)], gc["collections"][generation])
+        pauses.add_metric([str(generation)], gc["pause_s"][generation])
+    yield passes
+    yield pauses
 
 
 class StatsCollector(Collector):
@@ -355,6 +382,7 @@ class StatsCollector(Collector):
             yield CounterMetricFamily(
                 "muser_retries", "Retries answered with the committed result.", value=v.retries
             )
+        yield from _gc_families(heap.WATCH.status())
         yield from _verifier_families(v)
         if v.drafting is not None:
             yield _size_histogram(

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
-from muser import keys, tls
+from muser import heap, keys, tls
 from muser.affinity import serving
 from muser.backend import batches
 from muser.channels import channel_options, server_options
@@ -410,6 +410,7 @@ async def _start_http(core: ProposerCore, config: ClusterConfig, routes):
 
 async def _serve(config: ClusterConfig) -> None:
     server, port = await create_server(config)
+    heap.serving_heap()  # the draft and the resumed sessions live as long as the process
     host = config.proposer.bind_address.rpartition(":")[0]
     if server.http is not None:
         http_host = config.proposer.http.rpartition(":")[0]

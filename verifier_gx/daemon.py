@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster_config import qualification
 from cluster_config.schema import ClusterConfig, ConfigError
-from muser import keys, tls
+from muser import heap, keys, tls
 from muser.affinity import serving
 from muser.backend import ModelBackend
 from muser.channels import server_options
@@ -198,6 +198,7 @@ def _qualified_draft(config: ClusterConfig) -> tuple[str, str] | None:
 async def _serve(config: ClusterConfig) -> None:
     server, port = create_server(config)
     await server.start()
+    heap.serving_heap()  # the target and the recovered sessions live as long as the process
     host = config.verifier.bind_address.rpartition(":")[0]
     http = None
     if config.verifier.http:

@@ -3,7 +3,8 @@
 Exit 0 when both daemons answer the standard gRPC health check with SERVING (waiting up to
 --wait seconds for that), 1 when either does not. The statistics come from each daemon's
 Status RPC (its JSON carries the `muser.metrics.status_fields`), so this works remotely:
-sessions, acceptance, tokens/s over the last minute, WAL bytes on disk, fsync p50/p99.
+sessions, acceptance, tokens/s over the last minute, WAL bytes on disk, fsync p50/p99, and
+the Python collector's frozen objects and pauses (`muser.heap`).
 """
 
 from __future__ import annotations
@@ -153,4 +154,11 @@ def summary(status: dict) -> list[str]:
         lines.append(f"verifier-only ceiling {status['verifier_ceiling_tok_s']:.1f} tokens/s")
     if refusals:
         lines.append("refusals " + ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())))
+    gc = status.get("gc") or {}
+    if gc.get("watched"):
+        passes = "/".join(str(n) for n in gc["collections"])
+        lines.append(
+            f"gc {gc['frozen']} objects frozen; collections {passes} (generations 0/1/2), "
+            f"paused {_ms(sum(gc['pause_s']))} in all, longest {_ms(gc['pause_max_s'])}"
+        )
     return lines

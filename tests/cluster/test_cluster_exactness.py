@@ -97,7 +97,7 @@ def test_generate_cli_cluster_json_has_the_local_lane_shape(cluster):
     assert json.loads(local.stdout)["tokens"] == result["tokens"]
 
 
-def test_status_waits_for_both_daemons_and_says_where_they_run(cluster):
+def test_status_waits_for_both_daemons_and_says_where_they_run_and_their_heap(cluster):
     out = muser("status", "--config", str(cluster.config_path), "--wait", "60", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
@@ -112,3 +112,6 @@ def test_status_waits_for_both_daemons_and_says_where_they_run(cluster):
         # status names the CPUs the daemon is confined to (None: every CPU of its machine)
         confined = wanted if len(wanted) < (os.cpu_count() or 0) else None
         assert report[role]["status"]["cpus"] == confined
+        # the daemon froze its loaded heap out of the cyclic collector and times its passes
+        gc = report[role]["status"]["gc"]
+        assert gc["watched"] and gc["frozen"] > 100_000, gc
