@@ -7,7 +7,7 @@ walks every one of them: about 170 ms on this project's 2-core machine, with the
 so every thread of the daemon stops and a round in flight waits that long. It runs once the
 objects that survived younger collections reach a quarter of those it walked last time, so
 how often depends on what the daemon keeps per round (none ran in 3 400 rounds of one
-session here; the five at startup took 540–640 ms together). Those objects live as long as
+session here; the five at startup took 535–644 ms together). Those objects live as long as
 the process, so `settle` collects once and then freezes them (`gc.freeze`): later
 collections walk only what came after (a full one here: under 1 ms). Reference counting
 still frees a frozen object; only a cycle among frozen objects is never collected.
