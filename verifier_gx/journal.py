@@ -357,7 +357,12 @@ class SessionSummary:
     """A session's place in its chain; all that `Replay` keeps of a closed session. A closed
     session answers nothing (`SessionClosedError`), so its transcript, MT state and signed
     rounds would only hold memory (some 70 KB a session of 256 tokens) for as long as the
-    daemon runs."""
+    daemon runs.
+
+    The summary itself stays as long as the log: a verifier must never sign two different
+    results for one (session, round), so a closed session's id is never opened again (a
+    proposer's other drafts would make other rounds), and refusing it takes remembering it:
+    about 350 bytes in memory and 140 in a snapshot a session."""
 
     session_id: bytes
     epoch: int
