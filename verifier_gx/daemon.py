@@ -197,8 +197,8 @@ def _qualified_draft(config: ClusterConfig) -> tuple[str, str] | None:
 
 async def _serve(config: ClusterConfig) -> None:
     server, port = create_server(config)
-    await server.start()
     heap.serving_heap()  # the target and the recovered sessions live as long as the process
+    await server.start()
     host = config.verifier.bind_address.rpartition(":")[0]
     http = None
     if config.verifier.http:
