@@ -45,7 +45,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from muser import logs
@@ -373,167 +373,193 @@ class SessionRunner:
         return _Ahead(signed, taken, stream if sent is not None else None, sent, speculation)
 
     async def _drive(self) -> None:
-        s, core = self.session, self.core
-        start = time.perf_counter() - self.stats.wall_s
-        stream: RoundStream | None = None
-        drafting: asyncio.Future | None = None
-        speculation: Speculating | None = None
-        # this round's proposal until its request is on the wire; the speculation on it
-        # starts then, not before (the speculative draft would compete with the send)
-        to_speculate: Draft | None = None
-        in_flight: Draft | None = None
-        """The proposal of the round at the verifier (None for a round recovered from the
-        journal: its decision is not followed)."""
-
-        checked: _Checked | None = None
-        """The last result, checked and applied, its COMMITTED not yet written: it goes to
-        the log with the next PREPARED (`_commit`)."""
-        ack_due: int | None = None
-        """The last committed round, acked once the next request is on the wire (its
-        PREPARED came durable after COMMITTED: the ack never runs ahead of the commit)."""
-
-        def sent() -> None:
-            nonlocal speculation, to_speculate, ack_due
-            if to_speculate is not None:
-                speculation, to_speculate = self._start_speculation(to_speculate), None
-                if speculation is not None and stream is not None and lookahead:
-                    _look_ahead(stream, speculation, s.next_round + 1)
-            if ack_due is not None and stream is not None:
-                in_background(stream.ack(ack_due), "an ack", log)  # after the request: off its path
-                ack_due = None
-
-        def decided(d: pb.Decision) -> None:
-            nonlocal speculation
-            if in_flight is not None and to_speculate is None:
-                ahead = speculation
-                speculation = self._follow_decision(speculation, in_flight, d)
-                if speculation is not None:
-                    emitted = [*in_flight.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
-                    speculation.told[:] = emitted
-                    if speculation is not ahead and stream is not None and lookahead:
-                        _look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
-                    if (
-                        core.send_on_decision
-                        and speculation is ahead  # drafted before the decision came,
-                        and speculation.future.done()  # and ready (module note)
-                        and self._sending is None
-                        and stream is not None
-                        and not self.cancelled  # (a request already ahead still goes)
-                    ):
-                        outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier)
-                        if outcome is not None:  # (now: the result may come before the task runs)
-                            self._sending = asyncio.ensure_future(
-                                self._send_ahead(stream, speculation, outcome)
-                            )
-
-        on_wire: pb.RoundRequest | None = None
-        """The request in flight when it is already on `stream` (sent ahead)."""
-
-        lookahead = core.lookahead
-        backoff = 0.05
-        draft_s, round_start = 0.0, time.perf_counter()
+        s = self.session
+        loop = _Loop(start=time.perf_counter() - self.stats.wall_s)
         while not s.done and not (self.cancelled and s.prepared is None):
             logs.set_round(s.session_id, s.next_round)  # log lines carry session and round
             if s.prepared is None:
-                try:
-                    proposal, draft_s = await (drafting or self._start_draft())
-                except Exception:
-                    if checked is not None:  # the round before still becomes durable
-                        await self._commit(checked)
-                    raise
-                drafting = None
-                self.stats.draft_s += draft_s
-                remaining = s.params.max_tokens - len(s.emitted)
-                signed_request = s.build_request(
-                    proposal.drafts,
-                    proposal.q_rows,
-                    core.private,
-                    1 if proposal.drafts else s.width.decode_len(remaining),
-                )
-                prepared = journal.encode_prepared(s.session_id, s.next_round, signed_request)
-                await self._append(checked, prepared)
-                checked = None
-                s.prepared = signed_request
-                to_speculate = in_flight = proposal
-            try:
-                if stream is None:
-                    stream = await core.attach(s)
-                    backoff = 0.05
-                t0 = time.perf_counter()
-                wire, on_wire = on_wire, None  # re-sent after any failure below
-                signed, raw = await stream.round_trip(
-                    s.prepared, s.fragments, sent, decided, sent=wire
-                )
-                t1 = time.perf_counter()
-            except LinkDown as exc:
-                log.warning(
-                    "session %s round %d: %s; reconnecting in %.2fs",
-                    s.session_id.hex()[:8],
-                    s.next_round,
-                    exc,
-                    backoff,
-                )
-                if stream is not None:
-                    stream.close()
-                stream = None
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            except RoundRefused as exc:
-                if exc.reason != QUEUE_FULL:
-                    raise
-                # nothing was written there: the same request goes again, on the same stream
-                delay = backoff * (0.5 + random.random())  # jitter: refused sessions spread
-                log.info(
-                    "session %s round %d: the verifier's round queue is full; re-sending in %.2fs",
-                    s.session_id.hex()[:8],
-                    s.next_round,
-                    delay,
-                )
-                self.stats.queue_full_retries += 1
-                await asyncio.sleep(delay)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.05
-            result = s.check_result(s.prepared, signed, core.verifiers)
-            tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
-            s.last_result = signed  # the resume point once COMMITTED is durable (see _commit)
-            s.width.observe(
-                len(result.drafts),
-                result.accepted,
-                len(result.emitted()),
-                draft_s=draft_s,
-                verify_s=raw.verify_s,
-                round_s=t1 - round_start,
+                await self._prepare(loop)
+            got = await self._exchange(loop)
+            if got is not None:
+                await self._conclude(loop, *got)
+        await self._finish(loop)
+
+    async def _prepare(self, loop: _Loop) -> None:
+        """Steps 1 and 2: the next draft (made ahead, or made now), its signed request, and
+        PREPARED durable behind the last result's COMMITTED."""
+        s = self.session
+        try:
+            proposal, loop.draft_s = await (loop.drafting or self._start_draft())
+        except Exception:
+            if loop.checked is not None:  # the round before still becomes durable
+                await self._commit(loop.checked)
+            raise
+        loop.drafting = None
+        self.stats.draft_s += loop.draft_s
+        remaining = s.params.max_tokens - len(s.emitted)
+        signed_request = s.build_request(
+            proposal.drafts,
+            proposal.q_rows,
+            self.core.private,
+            1 if proposal.drafts else s.width.decode_len(remaining),
+        )
+        prepared = journal.encode_prepared(s.session_id, s.next_round, signed_request)
+        await self._append(loop.checked, prepared)
+        loop.checked = None
+        s.prepared = signed_request
+        loop.to_speculate = loop.in_flight = proposal
+
+    async def _exchange(self, loop: _Loop) -> tuple[Signed, pb.RoundResult, float, float] | None:
+        """Step 3: the prepared request out (unless it went ahead on this stream) and its
+        signed result back, with the seconds it was sent and received. None: the link went
+        down (reconnect after a backoff) or the verifier's queue was full (the same request
+        again after one); the caller sends again."""
+        s = self.session
+        try:
+            if loop.stream is None:
+                loop.stream = await self.core.attach(s)
+                loop.backoff = 0.05
+            t0 = time.perf_counter()
+            wire, loop.on_wire = loop.on_wire, None  # re-sent after any failure below
+            signed, raw = await loop.stream.round_trip(
+                s.prepared,
+                s.fragments,
+                lambda: self._sent(loop),
+                lambda d: self._decided(loop, d),
+                sent=wire,
             )
-            self.stats.width = s.width.to_dict()
-            draft_s, round_start = 0.0, t1
-            # COMMITTED is written with the next PREPARED (module note): one fsync, not two
-            checked = _Checked(result, signed, len(tokens), (t0, t1, start), raw, len(s.emitted))
-            ack_due = result.round
-            ahead, went = await self._next_in_flight(checked, stream)
-            if ahead == "held":  # COMMITTED is durable, and the request ahead in flight
-                checked, speculation, to_speculate, in_flight = None, None, None, None
-                if went is not None:  # (None: recovered, with no draft to go on from)
-                    in_flight, speculation = went.taken.proposal, went.speculation
-                    on_wire = went.sent if went.stream is stream else None
-                continue
-            if ahead == "void":  # drafted again, on a new stream (the old one is closed)
-                stream, speculation = None, None
-            if not s.done and not self.cancelled:
-                drafting = asyncio.ensure_future(self._next_draft(speculation, tokens))
-            elif speculation is not None:
-                speculation.drop()
-            speculation = in_flight = None
+            t1 = time.perf_counter()
+        except LinkDown as exc:
+            log.warning(
+                "session %s round %d: %s; reconnecting in %.2fs",
+                s.session_id.hex()[:8],
+                s.next_round,
+                exc,
+                loop.backoff,
+            )
+            if loop.stream is not None:
+                loop.stream.close()
+            loop.stream = None
+            await self._back_off(loop, loop.backoff)
+            return None
+        except RoundRefused as exc:
+            if exc.reason != QUEUE_FULL:
+                raise
+            # nothing was written there: the same request goes again, on the same stream
+            delay = loop.backoff * (0.5 + random.random())  # jitter: refused sessions spread
+            log.info(
+                "session %s round %d: the verifier's round queue is full; re-sending in %.2fs",
+                s.session_id.hex()[:8],
+                s.next_round,
+                delay,
+            )
+            self.stats.queue_full_retries += 1
+            await self._back_off(loop, delay)
+            return None
+        loop.backoff = 0.05
+        return signed, raw, t0, t1
+
+    @staticmethod
+    async def _back_off(loop: _Loop, delay: float) -> None:
+        await asyncio.sleep(delay)
+        loop.backoff = min(loop.backoff * 2, 1.0)
+
+    async def _conclude(
+        self, loop: _Loop, signed: Signed, raw: pb.RoundResult, t0: float, t1: float
+    ) -> None:
+        """Step 4, and what follows a result: check and apply it in memory, then either the
+        next request already went ahead (COMMITTED written now) or the next draft starts
+        (COMMITTED goes with its PREPARED, `_commit`)."""
+        s = self.session
+        result = s.check_result(s.prepared, signed, self.core.verifiers)
+        tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
+        s.last_result = signed  # the resume point once COMMITTED is durable (see _commit)
+        s.width.observe(
+            len(result.drafts),
+            result.accepted,
+            len(result.emitted()),
+            draft_s=loop.draft_s,
+            verify_s=raw.verify_s,
+            round_s=t1 - loop.round_start,
+        )
+        self.stats.width = s.width.to_dict()
+        loop.draft_s, loop.round_start = 0.0, t1
+        # COMMITTED is written with the next PREPARED (module note): one fsync, not two
+        loop.checked = _Checked(
+            result, signed, len(tokens), (t0, t1, loop.start), raw, len(s.emitted)
+        )
+        loop.ack_due = result.round
+        ahead, went = await self._next_in_flight(loop.checked, loop.stream)
+        if ahead == "held":  # COMMITTED is durable, and the request ahead in flight
+            loop.checked = loop.speculation = loop.to_speculate = loop.in_flight = None
+            if went is not None:  # (None: recovered, with no draft to go on from)
+                loop.in_flight, loop.speculation = went.taken.proposal, went.speculation
+                loop.on_wire = went.sent if went.stream is loop.stream else None
+            return
+        if ahead == "void":  # drafted again, on a new stream (the old one is closed)
+            loop.stream, loop.speculation = None, None
+        if not s.done and not self.cancelled:
+            loop.drafting = asyncio.ensure_future(self._next_draft(loop.speculation, tokens))
+        elif loop.speculation is not None:
+            loop.speculation.drop()
+        loop.speculation = loop.in_flight = None
+
+    async def _finish(self, loop: _Loop) -> None:
+        """The session ends: DONE durable (behind the last COMMITTED), the last round acked,
+        the stream closed and the session closed on the verifier."""
+        s = self.session
         if not s.done:  # cancelled: the session ends at what is durable
             log.info("session %s cancelled after %d tokens", s.session_id.hex()[:8], len(s.emitted))
             s.done = True
-        await self._append(checked, journal.encode_done(s.session_id))
-        if ack_due is not None and stream is not None:
-            await stream.ack(ack_due)
-        if stream is not None:
-            stream.close()
-        await core.close_remote(s)
+        await self._append(loop.checked, journal.encode_done(s.session_id))
+        if loop.ack_due is not None and loop.stream is not None:
+            await loop.stream.ack(loop.ack_due)
+        if loop.stream is not None:
+            loop.stream.close()
+        await self.core.close_remote(s)
+
+    def _sent(self, loop: _Loop) -> None:
+        """The request is on the wire: the speculation on its proposal starts (not before: it
+        would compete with the send), then the ack of the round before goes out."""
+        s, stream = self.session, loop.stream
+        if loop.to_speculate is not None:
+            loop.speculation = self._start_speculation(loop.to_speculate)
+            loop.to_speculate = None
+            if loop.speculation is not None and stream is not None and self.core.lookahead:
+                _look_ahead(stream, loop.speculation, s.next_round + 1)
+        if loop.ack_due is not None and stream is not None:
+            in_background(
+                stream.ack(loop.ack_due), "an ack", log
+            )  # after the request: off its path
+            loop.ack_due = None
+
+    def _decided(self, loop: _Loop, d: pb.Decision) -> None:
+        """The verifier's early decision on the round in flight: follow it (`_follow_decision`),
+        and send the next request ahead when a draft on it was ready (`_send_ahead`)."""
+        s, core, stream, in_flight = self.session, self.core, loop.stream, loop.in_flight
+        if in_flight is None or loop.to_speculate is not None:
+            return
+        ahead = loop.speculation
+        speculation = loop.speculation = self._follow_decision(ahead, in_flight, d)
+        if speculation is None:
+            return
+        emitted = [*in_flight.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
+        speculation.told[:] = emitted
+        if speculation is not ahead and stream is not None and core.lookahead:
+            _look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
+        if (
+            core.send_on_decision
+            and speculation is ahead  # drafted before the decision came,
+            and speculation.future.done()  # and ready (module note)
+            and self._sending is None
+            and stream is not None
+            and not self.cancelled  # (a request already ahead still goes)
+        ):
+            outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier)
+            if outcome is not None:  # (now: the result may come before the task runs)
+                self._sending = asyncio.ensure_future(
+                    self._send_ahead(stream, speculation, outcome)
+                )
 
     async def _append(self, checked: _Checked | None, record: bytes) -> None:
         """Append `record`, behind the last result's COMMITTED when one is still unwritten."""
@@ -600,3 +626,35 @@ class _Checked:
     raw: pb.RoundResult
     durable: int
     """Tokens clients may see once COMMITTED is durable."""
+
+
+@dataclass
+class _Loop:
+    """What `SessionRunner._drive` carries from one round to the next."""
+
+    start: float
+    """When the session began, on `time.perf_counter` (less the wall of any run before)."""
+    stream: RoundStream | None = None
+    drafting: asyncio.Future | None = None
+    """The next round's draft, begun after the last result (`_next_draft`)."""
+    speculation: Speculating | None = None
+    """The round after the one in flight, drafting ahead while it is at the verifier."""
+    to_speculate: Draft | None = None
+    """This round's proposal until its request is on the wire; the speculation on it starts
+    then, not before (the speculative draft would compete with the send)."""
+    in_flight: Draft | None = None
+    """The proposal of the round at the verifier (None for a round recovered from the
+    journal: its decision is not followed)."""
+    checked: _Checked | None = None
+    """The last result, checked and applied, its COMMITTED not yet written: it goes to the
+    log with the next PREPARED (`_commit`)."""
+    ack_due: int | None = None
+    """The last committed round, acked once the next request is on the wire (its PREPARED
+    came durable after COMMITTED: the ack never runs ahead of the commit)."""
+    on_wire: pb.RoundRequest | None = None
+    """The request in flight when it is already on `stream` (sent ahead)."""
+    backoff: float = 0.05
+    """Seconds before the next reconnect or re-send; doubles to 1 s, reset on success."""
+    draft_s: float = 0.0
+    """Seconds the round in flight waited for its draft."""
+    round_start: float = field(default_factory=time.perf_counter)
