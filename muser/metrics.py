@@ -293,77 +293,7 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             "muser_open_sessions", "Sessions not finished.", value=v.open_sessions
         )
-        for name, doc, value in (
-            ("muser_rounds", "Rounds committed.", lane.rounds),
-            ("muser_drafted_tokens", "Draft tokens proposed.", lane.drafted),
-            ("muser_accepted_tokens", "Draft tokens accepted.", lane.accepted),
-            (
-                "muser_emitted_tokens",
-                "Tokens emitted: accepted drafts plus each round's next frontier.",
-                lane.emitted,
-            ),
-            (
-                "muser_speculated_rounds",
-                "Rounds drafted while the round before was at the verifier (proposer).",
-                lane.speculated,
-            ),
-            (
-                "muser_speculation_hits",
-                "Speculative drafts used because their guess held (proposer).",
-                lane.speculation_hits,
-            ),
-            (
-                "muser_speculation_branch_hits",
-                "Speculation hits on rounds that rejected a draft: the draft's runner-up there "
-                "was the target's pick (proposer, greedy branches).",
-                lane.branch_hits,
-            ),
-            (
-                "muser_decisions_followed",
-                "Next drafts started on the verifier's early decision, before its signed "
-                "result (proposer).",
-                lane.decisions_followed,
-            ),
-            (
-                "muser_sent_ahead",
-                "Requests journaled and sent on the early decision of the round before them, "
-                "ahead of its signed result (proposer, lane.send_on_decision).",
-                lane.sent_ahead,
-            ),
-            (
-                "muser_ahead_void",
-                "Requests sent ahead and voided: the signed result of the round before "
-                "differed from its early decision (proposer).",
-                lane.ahead_void,
-            ),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily(
-            "muser_acceptance_ratio", "Accepted drafts / drafted tokens.", value=lane.acceptance
-        )
-        yield _tokens_per_round(lane)
-        widths = CounterMetricFamily(
-            "muser_rounds_by_draft_len",
-            "Rounds per draft width D: the width policy's choices (lane.width).",
-            labels=["draft_len"],
-        )
-        for depth, n in sorted(lane.draft_len_hist.items()):
-            widths.add_metric([str(depth)], float(n))
-        yield widths
-        phases = HistogramMetricFamily(
-            "muser_round_phase_seconds",
-            "Per-round time split: draft, transport, verify (target compute + judge), wal "
-            "(durable appends), sign.",
-            labels=["phase"],
-        )
-        for phase, histogram in lane.phases.items():
-            phases.add_metric([phase], _buckets(histogram), histogram.sum)
-        yield phases
-        yield GaugeMetricFamily(
-            "muser_verifier_ceiling_tokens_per_second",
-            "Emitted tokens / sum of verifier compute wall: a bound no deployment can beat.",
-            value=lane.verifier_ceiling,
-        )
+        yield from _lane_families(lane)
         fsync = HistogramMetricFamily("muser_wal_fsync_seconds", "fsync latency of the WAL.")
         fsync.add_metric([], _buckets(daemon.fsync), daemon.fsync.sum)
         yield fsync
@@ -390,6 +320,85 @@ class StatsCollector(Collector):
                 "Rounds of concurrent sessions drafted per lockstep draft batch.",
                 v.drafting.snapshot(),
             )
+
+
+_LANE_COUNTERS = (
+    ("muser_rounds", "Rounds committed.", "rounds"),
+    ("muser_drafted_tokens", "Draft tokens proposed.", "drafted"),
+    ("muser_accepted_tokens", "Draft tokens accepted.", "accepted"),
+    (
+        "muser_emitted_tokens",
+        "Tokens emitted: accepted drafts plus each round's next frontier.",
+        "emitted",
+    ),
+    (
+        "muser_speculated_rounds",
+        "Rounds drafted while the round before was at the verifier (proposer).",
+        "speculated",
+    ),
+    (
+        "muser_speculation_hits",
+        "Speculative drafts used because their guess held (proposer).",
+        "speculation_hits",
+    ),
+    (
+        "muser_speculation_branch_hits",
+        "Speculation hits on rounds that rejected a draft: the draft's runner-up there "
+        "was the target's pick (proposer, greedy branches).",
+        "branch_hits",
+    ),
+    (
+        "muser_decisions_followed",
+        "Next drafts started on the verifier's early decision, before its signed "
+        "result (proposer).",
+        "decisions_followed",
+    ),
+    (
+        "muser_sent_ahead",
+        "Requests journaled and sent on the early decision of the round before them, "
+        "ahead of its signed result (proposer, lane.send_on_decision).",
+        "sent_ahead",
+    ),
+    (
+        "muser_ahead_void",
+        "Requests sent ahead and voided: the signed result of the round before "
+        "differed from its early decision (proposer).",
+        "ahead_void",
+    ),
+)
+"""(name, help, LaneStats attribute) of the round counters."""
+
+
+def _lane_families(lane: LaneStats) -> Iterator[Metric]:
+    """The rounds: counts, acceptance, widths, the per-round time split and the ceiling."""
+    for name, doc, attribute in _LANE_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=getattr(lane, attribute))
+    yield GaugeMetricFamily(
+        "muser_acceptance_ratio", "Accepted drafts / drafted tokens.", value=lane.acceptance
+    )
+    yield _tokens_per_round(lane)
+    widths = CounterMetricFamily(
+        "muser_rounds_by_draft_len",
+        "Rounds per draft width D: the width policy's choices (lane.width).",
+        labels=["draft_len"],
+    )
+    for depth, n in sorted(lane.draft_len_hist.items()):
+        widths.add_metric([str(depth)], float(n))
+    yield widths
+    phases = HistogramMetricFamily(
+        "muser_round_phase_seconds",
+        "Per-round time split: draft, transport, verify (target compute + judge), wal "
+        "(durable appends), sign.",
+        labels=["phase"],
+    )
+    for phase, histogram in lane.phases.items():
+        phases.add_metric([phase], _buckets(histogram), histogram.sum)
+    yield phases
+    yield GaugeMetricFamily(
+        "muser_verifier_ceiling_tokens_per_second",
+        "Emitted tokens / sum of verifier compute wall: a bound no deployment can beat.",
+        value=lane.verifier_ceiling,
+    )
 
 
 def registry(view: Callable[[], DaemonView]) -> CollectorRegistry:
