@@ -42,6 +42,40 @@ REFUSALS = frozenset(
 (INTERNAL, DATA_LOSS, ABORTED, ...) are failures."""
 
 
+class _Outage:
+    """How long the client goes on reconnecting: an outage may last `reconnect_s`, counted
+    from its first failure; backoff doubles from 50 ms to 1 s. An event from the stream
+    ends the outage, so a later one gets the whole time again."""
+
+    def __init__(self, address: str, reconnect_s: float) -> None:
+        self.address, self.reconnect_s = address, reconnect_s
+        self.deadline: float | None = None
+        self.backoff = 0.05
+
+    def over(self) -> None:
+        """The stream answered: the next failure starts a new outage."""
+        self.deadline, self.backoff = None, 0.05
+
+    def wait(self, exc: Exception) -> None:
+        """Sleep before the next try, or raise once this outage has lasted too long."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.reconnect_s
+        if time.monotonic() > self.deadline:
+            raise ClusterClientError(
+                f"proposer at {self.address} unreachable for {self.reconnect_s:.0f}s"
+            ) from exc
+        time.sleep(self.backoff)
+        self.backoff = min(self.backoff * 2, 1.0)
+
+
+def _refusal(address: str, exc: Exception, code) -> ClusterClientError:
+    """The error a status that is not retried becomes: a refusal (exit 2) or a failure."""
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    name = code.name if code is not None else "ERROR"
+    error = ClusterRefusedError if name in REFUSALS else ClusterClientError
+    return error(f"proposer at {address}: {name}: {details}")
+
+
 def stream_generate(
     address: str,
     prompt: str | list[int],
@@ -55,7 +89,8 @@ def stream_generate(
 ) -> dict:
     """Generate through the proposer at `address`; returns the --json object of the lane.
     `limits` is the cluster's [limits] (message size and keepalive; None: their defaults),
-    `tls` its [tls] section (None: an insecure channel, for loopback)."""
+    `tls` its [tls] section (None: an insecure channel, for loopback). A broken stream is
+    resumed (module note) for up to `reconnect_s` an outage."""
     import grpc
 
     from cluster_config.schema import Limits
@@ -76,8 +111,7 @@ def stream_generate(
     texts: list[str] = []
     session_id = b""
     prompt_tokens, stats = 0, {}
-    deadline = None
-    backoff = 0.05
+    outage = _Outage(address, reconnect_s)
     start = time.perf_counter()
     with open_channel(address, tls, "client", options=options) as channel:
         stub = pb_grpc.ProposerStub(channel)
@@ -91,6 +125,7 @@ def stream_generate(
                 request.prompt_tokens.extend(prompt)
             try:
                 for event in stub.Generate(request, wait_for_ready=True):
+                    outage.over()
                     session_id = event.session_id
                     prompt_tokens = event.prompt_tokens
                     if event.offset != len(tokens):
@@ -109,19 +144,9 @@ def stream_generate(
                 break
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                retryable = code is None or code in RETRYABLE
-                if not retryable or not session_id:
-                    details = exc.details() if hasattr(exc, "details") else str(exc)
-                    name = code.name if code is not None else "ERROR"
-                    error = ClusterRefusedError if name in REFUSALS else ClusterClientError
-                    raise error(f"proposer at {address}: {name}: {details}") from exc
-                deadline = deadline or time.monotonic() + reconnect_s
-                if time.monotonic() > deadline:
-                    raise ClusterClientError(
-                        f"proposer at {address} unreachable for {reconnect_s:.0f}s"
-                    ) from exc
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                if not session_id or (code is not None and code not in RETRYABLE):
+                    raise _refusal(address, exc, code) from exc
+                outage.wait(exc)
     wall = time.perf_counter() - start
     stats = {
         **stats,

@@ -90,3 +90,88 @@ async def test_a_verifier_that_is_down_is_named_and_unavailable(key_set, tmp_pat
     assert f"UNAVAILABLE: open session: no answer from the verifier at {address} within 1 s" in (
         message
     )
+
+
+def _scripted(monkeypatch, script):
+    """`stream_generate` against a fake proposer whose Generate calls follow `script`: one
+    list per call of events (pb.GenerateEvent), numbers (advance the fake clock by so many
+    seconds) and "down" (the stream breaks: UNAVAILABLE). The fake clock also advances by
+    every backoff sleep. Returns the requests the fake received."""
+    import types
+
+    import grpc
+
+    import muser.cli.cluster_client as cc
+    from muser.wire import muser_v2_pb2_grpc as pb_grpc
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection reset"
+
+    now = [0.0]
+    clock = types.SimpleNamespace(
+        monotonic=lambda: now[0],
+        perf_counter=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+    )
+    requests, calls = [], iter(script)
+
+    class Stub:
+        def __init__(self, channel):
+            pass
+
+        def Generate(self, request, wait_for_ready):
+            requests.append(request)
+            for step in next(calls, ["down"]):
+                if step == "down":
+                    raise Unavailable()
+                if isinstance(step, (int, float)):
+                    now[0] += step
+                    continue
+                yield step
+
+    monkeypatch.setattr(cc, "time", clock)
+    monkeypatch.setattr(pb_grpc, "ProposerStub", Stub)
+    return requests
+
+
+def _event(offset, tokens, done=False):
+    from muser.wire import muser_v2_pb2 as pb
+
+    return pb.GenerateEvent(
+        session_id=b"s" * 16, offset=offset, tokens=tokens, text="", done=done, prompt_tokens=3
+    )
+
+
+def test_a_second_outage_gets_the_whole_reconnect_time_again(monkeypatch):
+    """Regression: the deadline of the first outage was kept after the stream came back,
+    so a second outage later in a long generation gave up at its first failure."""
+    requests = _scripted(
+        monkeypatch,
+        [
+            [_event(0, [1, 2]), "down"],
+            ["down"],  # still down (50 ms of backoff so far)
+            [_event(2, [3]), 1000.0, "down"],  # back, then 1000 s of tokens, then down again
+            [_event(3, [4], done=True)],
+        ],
+    )
+    out = stream_generate("127.0.0.1:1", PROMPT, PARAMS, reconnect_s=5.0)
+    assert out["tokens"] == [1, 2, 3, 4]
+    assert [(r.session_id, r.offset) for r in requests[1:]] == [
+        (b"s" * 16, 2),
+        (b"s" * 16, 2),
+        (b"s" * 16, 3),
+    ]
+
+
+def test_an_outage_longer_than_reconnect_s_is_named(monkeypatch):
+    requests = _scripted(monkeypatch, [[_event(0, [1]), "down"]])  # then down for good
+    with pytest.raises(ClusterClientError) as err:
+        stream_generate("127.0.0.1:1", PROMPT, PARAMS, reconnect_s=5.0)
+    assert "proposer at 127.0.0.1:1 unreachable for 5s" in str(err.value)
+    assert err.value.exit_code == 3
+    # backoff 0.05, 0.1, 0.2, 0.4, 0.8, then 1 s: the try after 5 s of outage is the last
+    assert len(requests) == 10
