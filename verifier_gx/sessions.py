@@ -286,7 +286,9 @@ class SessionManager:
             sid = o.session_id
             if sid in self.replay.sessions:
                 async with self._lock(sid):
-                    return await self._reopen(self.replay.sessions[sid], req)
+                    state = self.replay.sessions.get(sid)  # closed while we waited?
+                    if state is not None:
+                        return await self._reopen(state, req)
             if sid in self.replay.closed:
                 raise SessionClosedError(f"session {sid.hex()} was closed; ids are never reused")
             if req.resume:
@@ -405,8 +407,12 @@ class SessionManager:
         await _background(self._close(session_id, epoch, signature))
 
     async def _close(self, session_id: bytes, epoch: int, signature: bytes) -> None:
-        state = self.state(session_id)
+        self.state(session_id)  # an unknown session is refused before any wait
         async with self._lock(session_id):
+            if session_id in self.replay.closed:
+                return  # closed while we waited: as closing twice
+            # read under the lock: a resume while we waited replaces the state (new epoch)
+            state = self.state(session_id)
             public = self._proposer_key(state.open.proposer_key_id)
             keys.verify(public, close_message(session_id, epoch), signature, "close")
             self.check_epoch(state, epoch)
@@ -440,23 +446,28 @@ class SessionManager:
             for sid, seen in self._seen.items()
             if idle_s and self.clock() - seen >= idle_s and not self._in_progress(sid)
         ]
-        closed = []
-        for sid in stale:
-            async with self._lock(sid):
-                seen = self._seen.get(sid)
-                if seen is None or self.clock() - seen < idle_s:
-                    continue  # closed or used while we waited
-                state = self.replay.sessions[sid]
-                await self._journal_close(sid)
-                self.stats.idle_closed += 1
-                log.info(
-                    "session %s closed: idle for %.0f s (limits.session_idle_s) after %d rounds",
-                    short(sid), self.clock() - seen, state.next_round,
-                )  # fmt: skip
-                closed.append(sid)
+        closed = [sid for sid in stale if await _background(self._close_if_idle(sid, idle_s))]
         if closed:
             in_background(self.compactor.maybe_compact(), "commit log compaction", log)
         return closed
+
+    async def _close_if_idle(self, sid: bytes, idle_s: float) -> bool:
+        """Close `sid` if it is still idle once its lock is free. Run shielded (`_background`):
+        a cancelled sweep must not leave a CLOSE durable and unapplied, with the lock free."""
+        if sid not in self.replay.sessions:
+            return False  # closed meanwhile (its lock is gone: do not make another)
+        async with self._lock(sid):
+            seen = self._seen.get(sid)
+            if seen is None or self.clock() - seen < idle_s:
+                return False  # closed or used while we waited
+            state = self.replay.sessions[sid]
+            await self._journal_close(sid)
+        self.stats.idle_closed += 1
+        log.info(
+            "session %s closed: idle for %.0f s (limits.session_idle_s) after %d rounds",
+            short(sid), self.clock() - seen, state.next_round,
+        )  # fmt: skip
+        return True
 
     async def expire_idle(self) -> None:
         """`close_idle` every quarter of `limits.session_idle_s` (at least once a minute),
