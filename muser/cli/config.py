@@ -114,7 +114,11 @@ def register(sub, name: str, help_text: str) -> None:
     init.add_argument("--draft", type=Path, help="draft checkpoint (default: the fixtures)")
     init.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
     init.add_argument("--draft-len", type=int, default=4)
-    init.add_argument("--force", action="store_true", help="overwrite an existing cluster.toml")
+    init.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite an existing cluster.toml and the keys (and certificates) beside it",
+    )
     init.add_argument(
         "--tls", action="store_true", help="also write a CA, certificates and the [tls] section"
     )
@@ -176,23 +180,40 @@ def init_cluster(
     force: bool = False,
     tls: bool = False,
 ) -> Path:
-    from muser.cli.keygen import write_keys
+    from muser.cli.keygen import refuse_taken, write_keys
     from muser.errors import RefusedError
 
     path = directory / "cluster.toml"
-    if path.exists() and not force:
-        raise RefusedError(f"{path} exists; pass --force to overwrite it")
+    names = ["verifier", "proposer"]
+    if directory.exists() and not directory.is_dir():
+        raise RefusedError(f"--dir {directory} is a file; expected a directory (or a new path)")
+    refuse_taken([path, *(directory / "keys" / f"{n}.key" for n in names)], force)
+    if tls:
+        from muser.tls import private_paths
+
+        refuse_taken(private_paths(directory / "keys" / "tls", names), force)
+    if not 0 <= draft_len <= 64:
+        raise RefusedError(f"--draft-len {draft_len} received; expected 0 to 64 (lane.draft_len)")
     if target is None or draft is None:
         from muser.cli._common import default_pair
 
         fixture_target, fixture_draft = default_pair()
         target, draft = target or fixture_target, draft or fixture_draft
-    directory.mkdir(parents=True, exist_ok=True)
-    write_keys(directory / "keys", ["verifier", "proposer"], force=True)
+    for flag, model in (("--target", target), ("--draft", draft)):
+        if not (Path(model) / "config.json").is_file():
+            raise RefusedError(
+                f"{flag} {model} has no config.json: expected a Hugging Face checkpoint "
+                "directory (or leave it out for the fixtures)"
+            )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RefusedError(f"--dir {directory}: cannot create it: {exc.strerror}") from exc
+    write_keys(directory / "keys", names, force=force)
     if tls:
         from muser.tls import write_tls
 
-        write_tls(directory / "keys" / "tls", ["verifier", "proposer"], force=True)
+        write_tls(directory / "keys" / "tls", names, force=force)
     verifier_port, verifier_http_port, proposer_port, http_port = free_ports(4)
     proposer_cpus, verifier_cpus = _cpu_lines()
     path.write_text(

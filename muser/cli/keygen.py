@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 
@@ -36,6 +37,43 @@ def register(sub, name: str, help_text: str) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+HOST = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
+)
+
+
+def check_names(names: list[str]) -> None:
+    """A name is a file name in --out: letters, digits, '_', '.', '-', not starting with a
+    dot, and each once."""
+    from muser.errors import RefusedError
+
+    for name in names:
+        if not NAME.fullmatch(name):
+            raise RefusedError(
+                f"--name {name!r} received; expected letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit (it names files in --out)"
+            )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise RefusedError(f"--name {twice[0]} given twice; each key pair is named once")
+
+
+def check_host(host: str) -> None:
+    """A certificate host: an IP address or a DNS name."""
+    import ipaddress
+
+    from muser.errors import RefusedError
+
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if not HOST.fullmatch(host):
+        raise RefusedError(f"--host {host!r} received; expected a DNS name or an IP address")
 
 
 def refuse_taken(paths: list[Path], force: bool) -> None:
@@ -68,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     from muser.errors import RefusedError
 
     names = args.name or ["verifier", "proposer"]
+    check_names(names)
+    if args.out.exists() and not args.out.is_dir():
+        raise RefusedError(f"--out {args.out} is a file; expected a directory (or a new path)")
+    for host in args.host:
+        check_host(host)
     if args.host and not args.tls:
         raise RefusedError("--host names TLS certificate hosts; add --tls")
     if args.tls and "client" in names:

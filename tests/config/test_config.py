@@ -141,6 +141,85 @@ def test_init_refuses_to_overwrite(cluster_file, models):
         init_cluster(cluster_file.parent, target=models[0], draft=models[1])
 
 
+def test_init_keeps_keys_it_finds_unless_forced(tmp_path, models, capsys):
+    """Regression: config init wrote fresh keys over existing ones (no cluster.toml there),
+    losing a node's private key."""
+    keys = tmp_path / "c" / "keys"
+    keys.mkdir(parents=True)
+    (keys / "verifier.key").write_bytes(b"the node's own key")
+    argv = ["config", "init", "--dir", str(tmp_path / "c")]
+    argv += ["--target", str(models[0]), "--draft", str(models[1])]
+    assert main(argv) == 2
+    assert f"{keys / 'verifier.key'} exists; pass --force" in capsys.readouterr().err
+    assert (keys / "verifier.key").read_bytes() == b"the node's own key"
+    assert sorted(p.name for p in (tmp_path / "c").rglob("*")) == ["keys", "verifier.key"]
+    assert main([*argv, "--force"]) == 0
+    assert (keys / "verifier.key").read_bytes() != b"the node's own key"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--draft-len", "-1"], "--draft-len -1 received; expected 0 to 64"),
+        (["--draft-len", "65"], "--draft-len 65 received; expected 0 to 64"),
+        (["--target", "{tmp}"], "--target {tmp} has no config.json"),
+        (["--draft", "{tmp}/nowhere"], "--draft {tmp}/nowhere has no config.json"),
+    ],
+)
+def test_init_refuses_what_config_check_would_before_writing(
+    tmp_path, models, capsys, extra, message
+):
+    """Regression: these wrote keys and a cluster.toml that `config check` then refused."""
+    tmp = str(tmp_path)
+    argv = ["config", "init", "--dir", str(tmp_path / "c")]
+    argv += ["--target", str(models[0]), "--draft", str(models[1])]
+    assert main([*argv, *(e.format(tmp=tmp) for e in extra)]) == 2
+    assert message.format(tmp=tmp) in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+def test_init_into_a_file_is_refused(tmp_path, models, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for where, message in (
+        (afile, f"--dir {afile} is a file; expected a directory"),
+        (afile / "sub", f"--dir {afile / 'sub'}: cannot create it"),
+    ):
+        argv = ["config", "init", "--dir", str(where)]
+        assert main([*argv, "--target", str(models[0]), "--draft", str(models[1])]) == 2
+        assert message in capsys.readouterr().err
+    assert afile.read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--name", "../escaped"], "--name '../escaped' received; expected letters, digits"),
+        (["--name", ""], "--name '' received"),
+        (["--name", ".hidden"], "--name '.hidden' received"),
+        (["--name", "x", "--name", "x"], "--name x given twice"),
+        (["--tls", "--host", "bad host!"], "--host 'bad host!' received; expected a DNS name"),
+        (["--tls", "--host", ""], "--host '' received"),
+    ],
+)
+def test_keygen_refuses_names_and_hosts_it_cannot_use(tmp_path, capsys, argv, message):
+    """Regression: --name ../escaped wrote outside --out, '' a hidden '.key', a repeated
+    name overwrote its own pair; a bad --host went into the certificates."""
+    assert main(["keygen", "--out", str(tmp_path / "k"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "k").exists() and not (tmp_path / "escaped.key").exists()
+
+
+def test_keygen_takes_ip_and_dns_hosts_and_refuses_a_file_for_out(tmp_path, capsys):
+    argv = ["keygen", "--out", str(tmp_path / "k"), "--name", "v", "--tls"]
+    assert main([*argv, "--host", "10.0.0.7", "--host", "::1", "--host", "gx10.local"]) == 0
+    assert (tmp_path / "k" / "tls" / "v.pem").is_file()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["keygen", "--out", str(afile)]) == 2
+    assert f"--out {afile} is a file; expected a directory" in capsys.readouterr().err
+
+
 def test_keygen_json(tmp_path, capsys):
     assert main(["keygen", "--out", str(tmp_path), "--name", "a", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
