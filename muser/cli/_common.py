@@ -42,13 +42,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", type=Path, help="draft checkpoint directory (same tokenizer)")
     g.add_argument(
         "--target-backend",
-        default="torch",
+        default=None,
         choices=["torch", "vllm"],
         help="default torch; vllm needs .venv-vllm (`make vllm-env`, docs/backends.md)",
     )
     g.add_argument(
         "--draft-backend",
-        default="torch",
+        default=None,
         choices=["torch", "mlx"],
         help="draft backend: torch (default here) or mlx (Metal on a Mac, CPU elsewhere)",
     )
@@ -82,7 +82,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--q-top-k",
         type=int,
-        default=DEFAULT_Q_TOP_K,
+        default=None,
         help=f"draft row width: its q_top_k most probable tokens (default {DEFAULT_Q_TOP_K}; "
         "narrower rows accept less at T > 0)",
     )
@@ -169,7 +169,7 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
         overrides["context_length"] = args.context_length
     if args.rope_theta is not None:
         overrides["rope_theta"] = args.rope_theta
-    target = load_target_backend(args.target_backend, target_dir, **overrides)
+    target = load_target_backend(args.target_backend or "torch", target_dir, **overrides)
     draft = None
     if need_draft:
         if args.draft_len is None:
@@ -177,7 +177,7 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
         if args.draft_len < 0:
             raise RefusedError(f"--draft-len must be >= 0, got {args.draft_len}")
         draft = load_draft_backend(
-            args.draft_backend, draft_dir, window=args.draft_window, **overrides
+            args.draft_backend or "torch", draft_dir, window=args.draft_window, **overrides
         )
         require_shared_tokenizer(target.identity, draft.identity)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from muser.cli._common import add_model_args, add_sampling_args
+from muser.cli._common import DEFAULT_Q_TOP_K, add_model_args, add_sampling_args
 from muser.errors import RefusedError
 
 
@@ -41,21 +41,13 @@ def run(args: argparse.Namespace) -> int:
     )
 
     params = sampling_params(args)
+    check_lane_flags(args)
     text = read_prompt(args)
     if args.lane == "cluster":
         from muser.cli.cluster_client import generate_cluster
 
-        if args.width is not None or args.draft_range is not None:
-            raise RefusedError(
-                "--width/--draft-range are local-lane flags: with --lane cluster the "
-                "cluster's lane.width decides (pass --draft-len to fix D)"
-            )
-
+        check_wire_ranges(args, params)
         return generate_cluster(args, params, text)
-    if args.lane == "plain" and (args.width is not None or args.draft_range is not None):
-        raise RefusedError(
-            "--width/--draft-range are local-lane flags; --lane plain drafts nothing"
-        )
     width = local_width(args) if args.lane == "local" else None  # refused before loading
     models = open_models(args, need_draft=args.lane == "local")
     prompt = encode_prompt(models.tokenizer, text)
@@ -80,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             prompt,
             params,
             draft_len=args.draft_len,
-            q_top_k=args.q_top_k,
+            q_top_k=DEFAULT_Q_TOP_K if args.q_top_k is None else args.q_top_k,
             on_tokens=streamer,
             width=width,
         )
@@ -107,6 +99,69 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+CLUSTER_DECIDES = {
+    "target": "its verifier.target in cluster.toml decides",
+    "draft": "its proposer.draft in cluster.toml decides",
+    "target_backend": "its verifier.backend in cluster.toml decides",
+    "draft_backend": "its proposer.backend in cluster.toml decides",
+    "draft_window": "the proposer's draft attends to its whole context",
+    "q_top_k": "its lane.q_top_k in cluster.toml decides",
+    "context_length": "the target's checkpoint decides, on the verifier",
+    "rope_theta": "the target's checkpoint decides, on the verifier",
+    "width": "its lane.width in cluster.toml decides (--draft-len asks for one D)",
+    "draft_range": "its lane.draft_len_min and lane.draft_len_max decide",
+}
+"""Flags a cluster lane does not take, and why: what decides them there instead."""
+
+DRAFT_FLAGS = ("draft", "draft_backend", "draft_len", "draft_window", "q_top_k", "width")
+DRAFT_FLAGS += ("draft_range",)
+"""Flags of the draft, which --lane plain does not run."""
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_lane_flags(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a flag the chosen lane would not use (a flag that silently
+    does nothing is worse than none)."""
+    if args.lane == "cluster":
+        for dest, where in CLUSTER_DECIDES.items():
+            if getattr(args, dest) is not None:
+                raise RefusedError(f"{_flag(dest)} is not taken by --lane cluster: {where}")
+        if args.draft_len is not None and args.draft_len < 1:
+            raise RefusedError(
+                f"--draft-len {args.draft_len} received; --lane cluster takes 1 to 64 (a "
+                "session that asks for nothing gets the cluster's lane.draft_len; for D = 0, "
+                "set lane.draft_len = 0 there)"
+            )
+        return
+    if args.config is not None:
+        raise RefusedError(f"--config is for --lane cluster; --lane {args.lane} runs in process")
+    if args.lane == "plain":
+        for dest in DRAFT_FLAGS:
+            if getattr(args, dest) is not None:
+                raise RefusedError(f"{_flag(dest)} is a draft flag; --lane plain drafts nothing")
+    if args.q_top_k is not None and args.q_top_k < 1:
+        raise RefusedError(f"--q-top-k {args.q_top_k} received; expected >= 1")
+
+
+UINT32 = 2**32 - 1
+
+
+def check_wire_ranges(args: argparse.Namespace, params) -> None:
+    """What goes on the wire as a uint32 must fit one (the proposer refuses what its cluster
+    cannot serve, with its own message)."""
+    for flag, value in (
+        ("--max-tokens", params.max_tokens),
+        ("--top-k", params.top_k),
+        ("--draft-len", args.draft_len or 0),
+        *(("--stop-token", t) for t in params.stop_tokens),
+    ):
+        if not 0 <= value <= UINT32:
+            raise RefusedError(f"{flag} {value} received; expected 0 to {UINT32}")
 
 
 def _by_width(hist: dict[int, int]) -> str:

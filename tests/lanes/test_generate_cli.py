@@ -108,7 +108,7 @@ def test_q_top_k_takes_effect(capsys):
     _, whole, _ = generate(capsys, *flags, prompt=None)
     assert narrow["stats"]["acceptance"] < 0.4 < 0.55 < whole["stats"]["acceptance"]
     code, _, err = generate(capsys, *flags, "--q-top-k", "0", prompt=None)
-    assert code != 0 and "q_top_k must be >= 1, got 0" in err
+    assert code == 2 and "--q-top-k 0 received; expected >= 1" in err
 
 
 def test_width_flags_are_refused_where_they_mean_nothing(capsys):
@@ -121,4 +121,51 @@ def test_width_flags_are_refused_where_they_mean_nothing(capsys):
     code, _, err = generate(capsys, "--lane", "plain", "--width", "adaptive")
     assert code == 2 and "--lane plain drafts nothing" in err
     code, _, err = generate(capsys, "--lane", "cluster", "--width", "fixed", "--config", "x")
-    assert code == 2 and "the cluster's lane.width decides" in err
+    assert code == 2 and "--width is not taken by --lane cluster: its lane.width" in err
+    code, _, err = generate(capsys, "--lane", "cluster", "--draft-range", "1:4", "--config", "x")
+    assert code == 2 and "its lane.draft_len_min and lane.draft_len_max decide" in err
+
+
+def test_flags_a_lane_would_not_use_are_refused_before_any_work(capsys, monkeypatch):
+    """Regression: with --lane cluster, --q-top-k, the model flags and --draft-len 0 were
+    taken and did nothing (the cluster's file decides them); out-of-range numbers for the
+    wire ended in a protobuf traceback. Each is refused, exit 2, before a model loads or a
+    daemon is asked."""
+    import muser.cli._common as common
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(common, "open_models", no_loading)
+    cluster = ["--lane", "cluster", "--config", "unread.toml"]
+    for flags, message in [
+        (
+            ["--q-top-k", "1"],
+            "--q-top-k is not taken by --lane cluster: its lane.q_top_k in cluster.toml",
+        ),
+        (
+            ["--target", "t"],
+            "--target is not taken by --lane cluster: its verifier.target",
+        ),
+        (["--draft-backend", "mlx"], "--draft-backend is not taken by --lane cluster"),
+        (["--draft-window", "4"], "--draft-window is not taken by --lane cluster: the proposer's"),
+        (["--context-length", "64"], "--context-length is not taken by --lane cluster"),
+        (["--rope-theta", "1e4"], "--rope-theta is not taken by --lane cluster"),
+        (["--draft-len", "0"], "--draft-len 0 received; --lane cluster takes 1 to 64"),
+        (["--draft-len", "-1"], "--draft-len -1 received"),
+        (["--max-tokens", "99999999999"], "--max-tokens 99999999999 received; expected 0 to"),
+        (["--top-k", "99999999999"], "--top-k 99999999999 received"),
+        (["--stop-token", "-1"], "--stop-token -1 received; expected 0 to 4294967295"),
+    ]:
+        code, _, err = generate(capsys, *cluster, *flags)
+        assert code == 2 and message in err, (flags, err)
+        assert "Traceback" not in err
+    for lane, flags, message in [
+        ("plain", ["--q-top-k", "8"], "--q-top-k is a draft flag; --lane plain drafts nothing"),
+        ("plain", ["--draft-len", "2"], "--draft-len is a draft flag"),
+        ("plain", ["--draft", "d"], "--draft is a draft flag"),
+        ("local", ["--config", "c.toml"], "--config is for --lane cluster; --lane local runs"),
+        ("local", ["--q-top-k", "0"], "--q-top-k 0 received; expected >= 1"),
+    ]:
+        code, _, err = generate(capsys, "--lane", lane, *flags)
+        assert code == 2 and message in err, (flags, err)
