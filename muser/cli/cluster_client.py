@@ -52,6 +52,12 @@ class _Outage:
         self.deadline: float | None = None
         self.backoff = 0.05
 
+    def left(self) -> float:
+        """Seconds this outage may still last (all of `reconnect_s` outside one)."""
+        if self.deadline is None:
+            return self.reconnect_s
+        return max(0.0, self.deadline - time.monotonic())
+
     def over(self) -> None:
         """The stream answered: the next failure starts a new outage."""
         self.deadline, self.backoff = None, 0.05
@@ -66,6 +72,27 @@ class _Outage:
             ) from exc
         time.sleep(self.backoff)
         self.backoff = min(self.backoff * 2, 1.0)
+
+
+def _ready(channel, seconds: float, address: str, on_wait) -> None:
+    """Wait up to `seconds` for the channel to the proposer to connect, telling `on_wait`
+    after the first second; a call is only made on a connected channel, so that no call
+    waits for a proposer for ever (a call that waits for the channel has no deadline)."""
+    import grpc
+
+    future = grpc.channel_ready_future(channel)
+    try:
+        future.result(timeout=min(1.0, seconds))
+        return
+    except grpc.FutureTimeoutError:
+        pass
+    if on_wait is not None:
+        on_wait(f"waiting for the proposer at {address} (up to {seconds:.0f} s)")
+    try:
+        future.result(timeout=max(0.0, seconds - 1.0))
+    except grpc.FutureTimeoutError:
+        future.cancel()
+        raise ClusterClientError(f"proposer at {address} unreachable for {seconds:.0f}s") from None
 
 
 def _refusal(address: str, exc: Exception, code) -> ClusterClientError:
@@ -83,14 +110,16 @@ def stream_generate(
     *,
     draft_len: int = 0,
     on_event=None,
+    on_wait=None,
     reconnect_s: float = 120.0,
     limits: KeepaliveLimits | None = None,
     tls=None,
 ) -> dict:
     """Generate through the proposer at `address`; returns the --json object of the lane.
     `limits` is the cluster's [limits] (message size and keepalive; None: their defaults),
-    `tls` its [tls] section (None: an insecure channel, for loopback). A broken stream is
-    resumed (module note) for up to `reconnect_s` an outage."""
+    `tls` its [tls] section (None: an insecure channel, for loopback). A proposer that does
+    not answer is waited for up to `reconnect_s` (`on_wait` hears a line after the first
+    second), and a broken stream resumed (module note) for up to as long an outage."""
     import grpc
 
     from cluster_config.schema import Limits
@@ -106,7 +135,11 @@ def stream_generate(
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.INTERNAL,
     )
-    options = channel_options(limits if limits is not None else Limits())
+    options = [
+        *channel_options(limits if limits is not None else Limits()),
+        ("grpc.initial_reconnect_backoff_ms", 50),  # a restarted proposer is found at once
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     tokens: list[int] = []
     texts: list[str] = []
     session_id = b""
@@ -116,6 +149,7 @@ def stream_generate(
     with open_channel(address, tls, "client", options=options) as channel:
         stub = pb_grpc.ProposerStub(channel)
         while True:
+            _ready(channel, outage.left(), address, on_wait)
             request = pb.GenerateRequest(params=convert.params_to_pb(params), draft_len=draft_len)
             if session_id:
                 request.session_id, request.offset = session_id, len(tokens)
@@ -124,7 +158,7 @@ def stream_generate(
             else:
                 request.prompt_tokens.extend(prompt)
             try:
-                for event in stub.Generate(request, wait_for_ready=True):
+                for event in stub.Generate(request):
                     outage.over()
                     session_id = event.session_id
                     prompt_tokens = event.prompt_tokens
@@ -183,6 +217,7 @@ def generate_cluster(args: argparse.Namespace, params: SamplingParams, text: str
         params,
         draft_len=args.draft_len or 0,  # 0: the cluster's lane.draft_len
         on_event=None if args.json else show,
+        on_wait=lambda line: print(f"muser generate: {line}", file=sys.stderr, flush=True),
         limits=config.limits,
         tls=config.tls,
     )

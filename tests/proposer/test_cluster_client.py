@@ -123,7 +123,7 @@ def _scripted(monkeypatch, script):
         def __init__(self, channel):
             pass
 
-        def Generate(self, request, wait_for_ready):
+        def Generate(self, request):
             requests.append(request)
             for step in next(calls, ["down"]):
                 if step == "down":
@@ -134,6 +134,7 @@ def _scripted(monkeypatch, script):
                 yield step
 
     monkeypatch.setattr(cc, "time", clock)
+    monkeypatch.setattr(cc, "_ready", lambda *a: None)  # no channel under the fake
     monkeypatch.setattr(pb_grpc, "ProposerStub", Stub)
     return requests
 
@@ -175,3 +176,21 @@ def test_an_outage_longer_than_reconnect_s_is_named(monkeypatch):
     assert err.value.exit_code == 3
     # backoff 0.05, 0.1, 0.2, 0.4, 0.8, then 1 s: the try after 5 s of outage is the last
     assert len(requests) == 10
+
+
+def test_a_proposer_that_never_answers_is_waited_for_then_named(tmp_path):
+    """Nothing listens at the address: the client says it waits, then gives up (exit 3)
+    instead of waiting for ever."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"  # closed below: nothing listens
+    said, t0 = [], time.monotonic()
+    with pytest.raises(ClusterClientError) as err:
+        stream_generate(address, PROMPT, PARAMS, reconnect_s=2.0, on_wait=said.append)
+    assert f"proposer at {address} unreachable for 2s" in str(err.value)
+    assert err.value.exit_code == 3 and not isinstance(err.value, ClusterRefusedError)
+    assert said == [f"waiting for the proposer at {address} (up to 2 s)"]
+    assert 1.9 <= time.monotonic() - t0 < 10
