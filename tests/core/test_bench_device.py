@@ -32,8 +32,16 @@ def test_a_device_torch_cannot_run_the_target_on_is_refused(tmp_path, capsys):
     )
 
 
+def pair(tmp_path):
+    """Two directories `config init` takes for checkpoints (what is in them is not read)."""
+    for name in ("t", "d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    return {"target": tmp_path / "t", "draft": tmp_path / "d"}
+
+
 def test_the_device_lands_in_the_verifier_section_only(tmp_path):
-    path = init_cluster(tmp_path, target=tmp_path / "t", draft=tmp_path / "d", draft_len=4)
+    path = init_cluster(tmp_path, **pair(tmp_path), draft_len=4)
     text = path.read_text()
     assert with_target_device(text, "cpu") == text
     path.write_text(with_target_device(text, "cuda:1"))
@@ -44,7 +52,7 @@ def test_the_device_lands_in_the_verifier_section_only(tmp_path):
 
 
 def test_a_delayed_verifier_runs_with_lookahead_on(tmp_path):
-    path = init_cluster(tmp_path, target=tmp_path / "t", draft=tmp_path / "d", draft_len=4)
+    path = init_cluster(tmp_path, **pair(tmp_path), draft_len=4)
     text = path.read_text()
     assert load_config(path).lane.lookahead == "auto"
     path.write_text(as_remote(text))
