@@ -194,6 +194,31 @@ def cpus_available(config: ClusterConfig, scope: frozenset[str]) -> None:
                 raise ConfigError(str(exc)) from exc
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # unreadable: look at its parent
+        return False
+
+
+def wal_directories(config: ClusterConfig, scope: frozenset[str]) -> None:
+    """A node's wal_dir is a directory, or a path its daemon can create one at: its nearest
+    existing ancestor is a directory (a file there fails `serve` only once it starts)."""
+    for role in NODES:
+        if role not in scope:
+            continue
+        wal_dir = Path(getattr(config, role).wal_dir)
+        existing = next((p for p in (wal_dir, *wal_dir.parents) if _exists(p)), None)
+        if existing is None or existing.is_dir():
+            continue
+        where = "is" if existing == wal_dir else f"is under {existing}, which is"
+        raise ConfigError(
+            f"{role}.wal_dir {wal_dir} {where} not a directory; expected a directory (or a "
+            "path where one can be created): point it at a directory of its own, e.g. "
+            f'wal_dir = "wal/{role}" beside the cluster file'
+        )
+
+
 # --- signing keys and enrolment ------------------------------------------------------------
 
 
@@ -289,6 +314,7 @@ RULES: tuple[Rule, ...] = (
     draft_dtype_supported,
     devices_available,
     cpus_available,
+    wal_directories,
     signing_keys,
     enrolment,
     tls_files,

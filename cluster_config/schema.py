@@ -1,14 +1,16 @@
 """The typed, strict schema of `cluster.toml`.
 
-Every section refuses unknown keys; every error quotes the offending value and its path in
-the file (`verifier.address: ...`). Relative paths are resolved against the file's folder.
+Every section refuses unknown keys and values of the wrong type (strict: `true` is no
+integer, `"yes"` no boolean, `1.0` no integer; an integer is taken where a float is expected);
+every error quotes the offending value and its path in the file (`verifier.address: ...`).
+Relative paths are resolved against the file's folder.
 """
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,7 +30,18 @@ class ConfigError(RefusedError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+FilePath = Annotated[Path, Field(strict=False)]
+"""A path: TOML gives it as a string (strict mode alone would want a Path instance)."""
+
+GRPC_INT_MAX = 2**31 - 1
+"""gRPC channel and server options are C ints (message sizes, keepalive milliseconds)."""
+KEEPALIVE_MAX_S = 86_400.0
+"""A day: a longer keepalive never notices a dead peer in time; in ms it fits a C int."""
+SESSION_IDLE_MAX_S = 365 * 86_400.0
+"""A year; 0, not a huge value, is how a cluster file says never."""
 
 
 def _check_address(value: str | None) -> str | None:
@@ -75,9 +88,9 @@ class VerifierNode(_Strict):
     bind: str | None = Field(
         None, description="HOST:PORT the verifier's server binds (default: address)."
     )
-    key: Path = Field(description="The verifier's Ed25519 private key (PEM, 0600).")
-    public_key: Path = Field(description="Its public key; proposers enrol it.")
-    wal_dir: Path = Field(description="Commit WAL directory (the log lives in WAL_DIR/commit).")
+    key: FilePath = Field(description="The verifier's Ed25519 private key (PEM, 0600).")
+    public_key: FilePath = Field(description="Its public key; proposers enrol it.")
+    wal_dir: FilePath = Field(description="Commit WAL directory (the log lives in WAL_DIR/commit).")
     commit_compact_bytes: int = Field(
         256 << 20,
         ge=0,
@@ -85,7 +98,7 @@ class VerifierNode(_Strict):
         "accumulated since the last snapshot (checked as sessions close); the log then drops "
         "what the snapshot covers. 0 = never (the log grows with every round).",
     )
-    target: Path = Field(description="Target checkpoint directory (Hugging Face format).")
+    target: FilePath = Field(description="Target checkpoint directory (Hugging Face format).")
     backend: Literal["torch", "vllm"] = Field(
         "torch", description="Target backend; it must produce full probability rows."
     )
@@ -112,9 +125,9 @@ class ProposerNode(_Strict):
     bind: str | None = Field(
         None, description="HOST:PORT the proposer's server binds (default: address)."
     )
-    key: Path = Field(description="The proposer's Ed25519 private key (signs round requests).")
-    public_key: Path = Field(description="Its public key; verifiers enrol it.")
-    wal_dir: Path = Field(description="Session journal directory (PREPARED/COMMITTED).")
+    key: FilePath = Field(description="The proposer's Ed25519 private key (signs round requests).")
+    public_key: FilePath = Field(description="Its public key; verifiers enrol it.")
+    wal_dir: FilePath = Field(description="Session journal directory (PREPARED/COMMITTED).")
     journal_compact_bytes: int = Field(
         256 << 20,
         ge=0,
@@ -122,7 +135,9 @@ class ProposerNode(_Strict):
         "accumulated since the last snapshot (checked as sessions end); the commit log then "
         "drops what the snapshot covers. 0 = never (the journal grows with every request).",
     )
-    draft: Path = Field(description="Draft checkpoint directory (same tokenizer as the target).")
+    draft: FilePath = Field(
+        description="Draft checkpoint directory (same tokenizer as the target)."
+    )
     backend: Literal["torch", "mlx"] = Field("torch", description="Draft backend.")
     dtype: Dtype = Field(
         "float32", description="Draft weights dtype (torch backend; mlx runs float32)."
@@ -226,7 +241,7 @@ class Lane(_Strict):
         "text of concurrent sessions keeps its distribution but may differ from the local "
         "lane's in the last float bits of q.",
     )
-    receipt: Path = Field(
+    receipt: FilePath = Field(
         Path("qualification.json"),
         description="The lane's qualification receipt (`muser qualify` writes it; the verifier "
         "refuses to serve without a matching one). Default: beside the cluster file.",
@@ -244,7 +259,7 @@ class Lane(_Strict):
     def _range_defaults_to_draft_len(cls, data: object) -> object:
         """An unset bound pins D there: a lane without a range runs at a fixed D."""
         d = data.get("draft_len", 4) if isinstance(data, dict) else None
-        if isinstance(d, int) and 0 <= d <= 64:  # else draft_len's own error is the message
+        if type(d) is int and 0 <= d <= 64:  # else draft_len's own error is the message
             data = {"draft_len_min": d, "draft_len_max": d, **data}
         return data
 
@@ -267,19 +282,22 @@ class Lane(_Strict):
 
 
 class Enrolment(_Strict):
-    verifiers: list[Path] = Field(
+    verifiers: list[FilePath] = Field(
         description=(
             "Enrolled verifier public keys (PEM): the proposer accepts results they sign, a "
             "verifier resumes sessions from rounds they signed."
         )
     )
-    proposers: list[Path] = Field(description="Enrolled proposer public keys (PEM).")
+    proposers: list[FilePath] = Field(description="Enrolled proposer public keys (PEM).")
 
 
 class Limits(_Strict):
     max_sessions: int = Field(64, ge=1, description="Open sessions a verifier holds at once.")
     max_message_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="Largest gRPC message either daemon accepts."
+        8 * 1024 * 1024,
+        ge=1024,
+        le=GRPC_INT_MAX,
+        description="Largest gRPC message either daemon accepts (gRPC takes at most 2**31 - 1).",
     )
     max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a session may ask for.")
     finished_sessions: int = Field(
@@ -312,23 +330,30 @@ class Limits(_Strict):
     keepalive_s: float = Field(
         10.0,
         ge=0,
+        le=KEEPALIVE_MAX_S,
+        allow_inf_nan=False,
         description="Seconds a connection with a call open may stay quiet before its side "
         "pings the other (every daemon channel and server, and the Generate client); 0: no "
-        "pings (gRPC's default), and a peer that lost power is never noticed.",
+        "pings (gRPC's default), and a peer that lost power is never noticed. At most a day.",
     )
     keepalive_timeout_s: float = Field(
         10.0,
         gt=0,
+        le=KEEPALIVE_MAX_S,
+        allow_inf_nan=False,
         description="Seconds a ping may go unanswered before the connection is closed and "
-        "its calls fail UNAVAILABLE (the proposer and the client then reconnect).",
+        "its calls fail UNAVAILABLE (the proposer and the client then reconnect). At most a "
+        "day.",
     )
     session_idle_s: float = Field(
         3600.0,
         ge=0,
+        le=SESSION_IDLE_MAX_S,
+        allow_inf_nan=False,
         description="Seconds a verifier keeps a session that nothing opens, attaches to or "
         "sends a round for (its proposer gone for good, or finished without closing it); "
         "then it closes the session, freeing its max_sessions slot, its KV and its state. A "
-        "proposer that comes back later is refused (session_closed). 0: never.",
+        "proposer that comes back later is refused (session_closed). 0: never; at most a year.",
     )
 
     @model_validator(mode="after")
@@ -345,14 +370,14 @@ TLS_ROLES = ("verifier", "proposer", "client")
 
 
 class TlsPair(_Strict):
-    cert: Path = Field(description="PEM certificate, signed by tls.ca.")
-    key: Path = Field(description="PEM private key of that certificate (0600).")
+    cert: FilePath = Field(description="PEM certificate, signed by tls.ca.")
+    key: FilePath = Field(description="PEM private key of that certificate (0600).")
 
 
 class Tls(_Strict):
     """Mutual TLS under one cluster CA; absent, every channel is insecure (loopback only)."""
 
-    ca: Path = Field(
+    ca: FilePath = Field(
         description="PEM certificate of the cluster CA; every server requires a client "
         "certificate it signed, every client checks the server's against it."
     )
@@ -398,7 +423,7 @@ class ClusterConfig(_Strict):
     enrolment: Enrolment = Field(description="Public keys each side accepts signatures from.")
     limits: Limits = Field(default_factory=Limits, description="Resource limits.")
     tls: Tls | None = Field(None, description="Mutual TLS on every channel (default: none).")
-    path: Path | None = Field(None, exclude=True, description="Where this file was read from.")
+    path: FilePath | None = Field(None, exclude=True, description="Where this file was read from.")
 
 
 PATH_KEYS = {
@@ -437,9 +462,14 @@ def _resolve(raw: dict, base: Path) -> dict:
 def load_config(path: str | Path) -> ClusterConfig:
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "expected a TOML file in UTF-8: save it as UTF-8"
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     try:

@@ -16,12 +16,63 @@ from wal.base import Record, Snapshot
 from wal.errors import WalUsageError
 from wal.interpret import describe, registered_interpreters
 from wal.segment import SNAPSHOT_HEADER
-from wal.survey import Survey, survey
+from wal.survey import Survey, list_files, survey
+
+LOOK_BELOW = 3
+"""How many directory levels under DIR `require_log` looks for the log DIR was meant to be
+(a daemon's wal_dir holds its log in commit/ or journal/; the cluster's wal/ two above)."""
+
+
+def _is_log(directory: Path) -> bool:
+    """Whether `directory` is a log's: segment or snapshot files, or what repair left. A
+    log has a segment from its first open on (an empty one too); repair may move every
+    segment into quarantine/, and the next open starts a new one."""
+    segments, snapshots = list_files(directory)
+    return bool(segments or snapshots) or (directory / "quarantine").is_dir()
+
+
+def _logs_below(directory: Path, depth: int = LOOK_BELOW) -> list[Path]:
+    found = []
+    try:
+        children = sorted(p for p in directory.iterdir() if p.is_dir())
+    except OSError:
+        return found
+    for child in children:
+        if child.name == "quarantine":
+            continue
+        try:
+            is_log = _is_log(child)
+        except OSError:
+            continue
+        if is_log:
+            found.append(child)
+        elif depth > 1:
+            found += _logs_below(child, depth - 1)
+    return found
+
+
+def require_log(directory: Path) -> None:
+    """Refuse (WalUsageError, exit 2) what is not a log's directory, before anything reads
+    or writes there: a missing path, a file, a directory without segment files (an empty or
+    unrelated directory, or the wal_dir above a daemon's log, named if found)."""
+    if not directory.is_dir():
+        raise WalUsageError(f"{directory} is not a directory")
+    try:
+        if _is_log(directory):
+            return
+    except OSError as exc:
+        raise WalUsageError(f"cannot read {directory}: {exc}") from exc
+    below = _logs_below(directory)
+    hint = f"; did you mean {' or '.join(map(str, below))}?" if below else ""
+    raise WalUsageError(
+        f"{directory} holds no commit log: no seg-*.wal segment (or snap-*.snap snapshot) "
+        f"files; expected a log's own directory (a log has a segment file from its first "
+        f"open on, even while empty){hint}"
+    )
 
 
 def _survey(directory: Path) -> Survey:
-    if not directory.is_dir():
-        raise WalUsageError(f"{directory} is not a directory")
+    require_log(directory)
     return survey(directory, full=True)
 
 

@@ -189,14 +189,24 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise RefusedError("give --prompt or --prompt-file, not both")
     if args.prompt_file is not None:
         try:
-            return Path(args.prompt_file).read_text()
+            return Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise RefusedError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise RefusedError(not_utf8("--prompt-file", args.prompt_file, exc)) from exc
     if args.prompt is not None:
         return args.prompt
     from muser.fixtures import natural_prompts
 
     return natural_prompts(1)[0]
+
+
+def not_utf8(flag: str, path: object, exc: UnicodeDecodeError) -> str:
+    """The refusal of a text file that does not decode: which file, where, what is expected."""
+    return (
+        f"{flag} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+        f"{exc.start}); expected a UTF-8 file: save it as UTF-8"
+    )
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -15,13 +15,37 @@ import tempfile
 from pathlib import Path
 
 
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high]; anything else is refused (exit 2) before
+    the demo builds, qualifies or starts anything."""
+    expected = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected  # what argparse names in its own messages
+    return parse
+
+
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
-    p.add_argument("--prompts", type=int, default=3, help="natural prompts to stream (default 3)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument(
+        "--prompts", type=_int_in(1), default=3, help="natural prompts to stream (default 3)"
+    )
+    p.add_argument(
+        "--max-tokens", type=_int_in(1), default=128, help="tokens per prompt (default 128)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument(
+        "--draft-len", type=_int_in(0, 64), default=4, help="drafts per round D (default 4)"
+    )
     p.add_argument(
         "--keep",
         type=Path,
@@ -35,7 +59,16 @@ def say(text: str) -> None:
     print(f"\n== {text}", file=sys.stderr, flush=True)
 
 
+def check_sampling(args: argparse.Namespace) -> None:
+    """Refuse the sampling flags before any work: prompt i is sampled with seed + i."""
+    from muser.sampling import SamplingParams
+
+    for seed in (args.seed, args.seed + args.prompts - 1):
+        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=seed)
+
+
 def run(args: argparse.Namespace) -> int:
+    check_sampling(args)
     if args.keep is not None:
         return _demo(args, args.keep)
     with tempfile.TemporaryDirectory(prefix="muser-demo-") as tmp:

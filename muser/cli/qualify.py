@@ -71,9 +71,13 @@ def register(sub, name: str, help_text: str) -> None:
 
 def read_prompts(path: Path) -> list[str]:
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise RefusedError(f"cannot read --prompts {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        from muser.cli._common import not_utf8
+
+        raise RefusedError(not_utf8("--prompts", path, exc)) from exc
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

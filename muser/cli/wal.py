@@ -1,7 +1,8 @@
 """`muser wal inspect|verify|repair DIR`: look at, check and fix a commit-log directory.
 
 Exit codes: 0 all good; 1 verify found a failure (named on stderr); 2 refused (not a
-directory, unreadable key file, a format version this build cannot read).
+directory, a directory without segment files, unreadable key file, a format version this
+build cannot read).
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_repair(args: argparse.Namespace) -> int:
     from wal.repair import format_report, repair_log
+    from wal.tools import require_log
 
+    require_log(args.directory)  # before repair takes the lock: no LOCK file in a non-log
     report = repair_log(args.directory)
     if args.json:
         print(json.dumps(report.to_dict(), sort_keys=True))
