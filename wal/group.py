@@ -22,7 +22,16 @@ Wakes are point to point: a sync waiter blocks on its own pre-acquired lock, rel
 
 A failed write or fsync poisons the committer: that batch, every batch in flight behind
 it, and every later append fail with WalIOError, because after a failed fsync the page
-cache can no longer be trusted.
+cache can no longer be trusted. A failed write poisons it at once, before the next batch
+is written: nothing goes into the file behind torn bytes.
+
+Overlapping fsyncs and their errors: Linux reports a writeback error once per open file,
+to whichever fsync of it checks first. All fsyncs of a segment share its descriptor, so
+when batch A's pages fail to reach the disk, an fsync that overlaps A's (a later batch's,
+or the one that seals a full segment inside a write) may take the error, and A's own fsync
+return 0. So a batch is acknowledged only once every fsync or write that was in progress
+when its fsync returned has returned as well (`_Batch.overlap`): if one of them failed,
+the log is poisoned by then and A fails with it.
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ def _settle(future: asyncio.Future, seq: int, error: WalError | None) -> None:
 
 
 class _Batch:
-    __slots__ = ("waiters", "ticket", "last_seq", "synced", "error")
+    __slots__ = ("waiters", "ticket", "last_seq", "synced", "error", "overlap")
 
     def __init__(self, waiters: list[_Waiter]) -> None:
         self.waiters = waiters
@@ -77,6 +86,12 @@ class _Batch:
         self.last_seq = 0
         self.synced = False
         self.error: WalError | None = None
+        self.overlap: list[_Batch] = []
+        """Batches whose write or fsync was in progress when this one's fsync returned:
+        it is acknowledged only once they have returned too (module note)."""
+
+    def settled(self) -> bool:
+        return self.synced and all(b.synced for b in self.overlap)
 
 
 class GroupCommit:
@@ -103,6 +118,7 @@ class GroupCommit:
         self._changed = threading.Condition(self._mutex)  # a batch finished or role freed
         self._queue: deque[_Waiter] = deque()
         self._inflight: deque[_Batch] = deque()  # written, not yet acknowledged; in order
+        self._busy: set[_Batch] = set()  # from the start of its write to the end of its fsync
         self._leading = False
         self._closing = False
         self._failed: str | None = None
@@ -179,6 +195,7 @@ class GroupCommit:
             batch = _Batch(list(self._queue))
             self._queue.clear()
             self._inflight.append(batch)
+            self._busy.add(batch)  # its write may fsync the segment it seals
             failed = self._failed
         payloads = [w.payload for w in batch.waiters if w.payload is not None]
         if failed is not None:
@@ -195,7 +212,15 @@ class GroupCommit:
                     if w.payload is not None:
                         w.seq, first = first, first + 1
                 batch.last_seq = first - 1
+        if batch.error is not None:
+            with self._mutex:  # before the next batch is written behind it
+                self._poison(batch.error)
         return batch
+
+    def _poison(self, error: WalError) -> None:
+        """The first failure: every later append is refused (`_mutex` held)."""
+        if self._failed is None:
+            self._failed = f"{error}; the log refuses appends until it is reopened"
 
     def _finish(self, batch: _Batch) -> None:
         """Fsync a written batch (any thread), then acknowledge what is now in order."""
@@ -208,9 +233,11 @@ class GroupCommit:
                 batch.error = WalIOError(f"fsync of {self._name} raised {exc!r}")
         with self._mutex:
             batch.synced = True
-            if batch.error is not None and self._failed is None:
-                self._failed = f"{batch.error}; the log refuses appends until it is reopened"
-            while self._inflight and self._inflight[0].synced:
+            self._busy.discard(batch)
+            batch.overlap = list(self._busy)
+            if batch.error is not None:
+                self._poison(batch.error)
+            while self._inflight and self._inflight[0].settled():
                 done = self._inflight.popleft()
                 error = done.error
                 if error is None and self._failed is not None:

@@ -431,3 +431,105 @@ def test_an_append_async_whose_event_loop_closed_does_not_break_the_log(tmp_path
         gate.open.set()
         assert log.append(b"next") == 2
         assert [r.payload for r in log.records()] == [b"orphan", b"next"]
+
+
+def test_a_failed_write_poisons_the_log_before_the_next_batch_is_written():
+    """Regression: the failure of a write was recorded only once its batch was finished (in
+    the fsync pool, or after the writer role was handed on), so the flusher could write the
+    next batch behind the torn bytes, reusing their sequence numbers; the log then refused
+    to open. Now the write's own failure poisons the log before the role moves on."""
+    from wal.group import _Waiter
+
+    writes = []
+
+    def write(payloads):
+        writes.append(payloads)
+        raise WalIOError("writing seq 1..1 failed: [Errno 28] No space left on device")
+
+    group = GroupCommit(write, lambda ticket: None, lambda seq: None, "test")
+    group._queue.append(_Waiter(b"a", None))
+    group._leading = True  # the writer role, as `_enqueue` gives it
+    batch = group._write_batch()  # the write fails; its fsync has not run
+    assert batch.error is not None
+    assert group.failed == (
+        "writing seq 1..1 failed: [Errno 28] No space left on device; the log refuses "
+        "appends until it is reopened"
+    )
+    group._queue.append(_Waiter(b"b", None))
+    group._write_batch()  # what the flusher would write next
+    assert writes == [[b"a"]]  # nothing written behind the failure
+
+
+def test_a_batch_whose_fsync_error_another_fsync_took_is_not_acknowledged():
+    """Linux reports a writeback error to one fsync of the file: batch A's fsync may return
+    0 while an overlapping fsync (batch B's) reports A's lost pages. Regression: A was
+    acknowledged as soon as its own fsync returned. Now A waits for the fsyncs in progress
+    when its own returned, and fails with B's error."""
+    gates = {1: threading.Event(), 2: threading.Event()}
+    entered = {1: threading.Event(), 2: threading.Event()}
+
+    def write(payloads):
+        first = 1 if payloads == [b"a"] else 2
+        return first, first
+
+    def sync(ticket):
+        entered[ticket].set()
+        assert gates[ticket].wait(10)
+        if ticket == 2:
+            raise WalIOError("fsync of seg-1 failed: [Errno 5] Input/output error")
+
+    group = GroupCommit(write, sync, lambda seq: None, "test")
+    outcome: dict[str, object] = {}
+
+    def append(name, payload):
+        try:
+            outcome[name] = group.submit(payload)
+        except WalIOError as exc:
+            outcome[name] = exc
+
+    a = threading.Thread(target=append, args=("a", b"a"))
+    a.start()
+    assert entered[1].wait(10)  # A's fsync in progress (A gave up the writer role)
+    b = threading.Thread(target=append, args=("b", b"b"))
+    b.start()
+    assert entered[2].wait(10)  # B's fsync overlaps A's
+    gates[1].set()  # A's fsync returns 0
+    a.join(0.3)
+    assert a.is_alive() and "a" not in outcome  # not acknowledged while B's is in progress
+    gates[2].set()  # B's fsync reports the error
+    a.join(10)
+    b.join(10)
+    assert isinstance(outcome["a"], WalIOError) and isinstance(outcome["b"], WalIOError)
+    assert "Input/output error" in str(outcome["a"])
+    group.close()
+
+
+def test_overlapping_fsyncs_that_succeed_acknowledge_both_in_order():
+    gates = {1: threading.Event(), 2: threading.Event()}
+    entered = {1: threading.Event(), 2: threading.Event()}
+    durable = []
+
+    def write(payloads):
+        first = 1 if payloads == [b"a"] else 2
+        return first, first
+
+    def sync(ticket):
+        entered[ticket].set()
+        assert gates[ticket].wait(10)
+
+    group = GroupCommit(write, sync, durable.append, "test")
+    seqs = {}
+    a = threading.Thread(target=lambda: seqs.setdefault("a", group.submit(b"a")))
+    a.start()
+    assert entered[1].wait(10)
+    b = threading.Thread(target=lambda: seqs.setdefault("b", group.submit(b"b")))
+    b.start()
+    assert entered[2].wait(10)
+    gates[1].set()
+    a.join(0.3)
+    assert a.is_alive()  # waits for B's fsync, which overlapped its own
+    gates[2].set()
+    a.join(10)
+    b.join(10)
+    assert seqs == {"a": 1, "b": 2} and durable == [1, 2]
+    group.close()
