@@ -238,6 +238,11 @@ class FileFragmentStore(_StoreBase):
             stale.unlink()
         self._counter = 0
         self._dirty: set[Path] = set()
+        self._settled: set[str] = set()
+        """Digests whose name this process saw durable (its fan-out directory fsynced after
+        the rename): a put of one of them returns at once."""
+        self._fanouts: set[str] = set()
+        """Fan-out directories whose own entry in objects/ this process saw durable."""
 
     def _path(self, digest: str) -> Path:
         return self._objects / digest[:2] / digest
@@ -246,29 +251,45 @@ class FileFragmentStore(_StoreBase):
         self._check_open()
         blob = _as_bytes(data)
         digest = hashlib.sha256(blob).hexdigest()
-        with self._lock:
-            if self._path(digest).exists():
-                self._touched[digest] = self._clock()
-                return digest
-            self._counter += 1
-            tmp = self._tmp / f"{digest}.{os.getpid()}.{self._counter}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _fs.write_all(fd, blob)
-            _fs.fsync_file(fd)
-        finally:
-            os.close(fd)
         final = self._path(digest)
-        fanout = final.parent
-        if not fanout.exists():
-            fanout.mkdir(exist_ok=True)
-            _fs.fsync_dir(self._objects)
         with self._lock:
-            os.replace(tmp, final)
-            self._touched[digest] = self._clock()
-            self.writes += 1
-        _fs.fsync_dir(fanout)
+            there = final.exists()
+            if there:
+                self._touched[digest] = self._clock()
+                if digest in self._settled:
+                    return digest
+            else:
+                self._counter += 1
+                tmp = self._tmp / f"{digest}.{os.getpid()}.{self._counter}"
+        if not there:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _fs.write_all(fd, blob)
+                _fs.fsync_file(fd)
+            finally:
+                os.close(fd)
+        # the name is durable only once its fan-out directory, and that directory's own entry
+        # in objects/, are: a put that finds the file there (another thread renamed it and
+        # has not fsynced yet, or a crash came between a rename and its fsync) makes sure of
+        # both before it returns, as a put that writes it does
+        self._settle_fanout(final.parent)
+        if not there:
+            with self._lock:
+                os.replace(tmp, final)
+                self._touched[digest] = self._clock()
+                self.writes += 1
+        _fs.fsync_dir(final.parent)
+        with self._lock:
+            self._settled.add(digest)
         return digest
+
+    def _settle_fanout(self, fanout: Path) -> None:
+        if fanout.name in self._fanouts:
+            return
+        fanout.mkdir(exist_ok=True)
+        _fs.fsync_dir(self._objects)
+        with self._lock:
+            self._fanouts.add(fanout.name)
 
     def get(self, digest: str) -> bytes:
         self._check_open()
@@ -294,6 +315,7 @@ class FileFragmentStore(_StoreBase):
             target = qdir / f"{digest}.{int(time.time())}.{self._counter}"
             os.replace(self._path(digest), target)
             self._touched.pop(digest, None)
+            self._settled.discard(digest)
         _fs.fsync_dir(self._path(digest).parent)
         _fs.fsync_dir(qdir)
         return target
@@ -307,6 +329,7 @@ class FileFragmentStore(_StoreBase):
     def _remove(self, digest: str) -> None:
         path = self._path(digest)
         path.unlink()
+        self._settled.discard(digest)
         self._dirty.add(path.parent)
 
     def _after_removals(self) -> None:

@@ -243,3 +243,44 @@ def test_after_a_restart_gc_counts_grace_from_the_file_mtime(tmp_path):
     with FileFragmentStore(tmp_path, grace_seconds=600, clock=lambda: old + 700) as store:
         assert store.gc() == 1
         assert store.digests() == [DB]
+
+
+def test_a_put_that_finds_its_fragment_there_makes_its_name_durable_first(tmp_path, monkeypatch):
+    """Regression: a put that found the file (another thread renamed it and had not fsynced
+    its directory yet, or a crash came between a rename and that fsync) returned at once,
+    and its caller could commit a record naming a fragment a power loss removes. Now such a
+    put fsyncs the fan-out directory and objects/ first, once per process."""
+    from wal import _fs
+
+    with FileFragmentStore(tmp_path) as store:
+        store.put(A)
+    synced: list[str] = []
+    real = _fs.fsync_dir
+    monkeypatch.setattr(_fs, "fsync_dir", lambda d: (synced.append(str(d)), real(d)))
+    with FileFragmentStore(tmp_path) as store:  # another process: it saw nothing fsynced
+        assert store.put(A) == DA and store.writes == 0
+        objects = tmp_path / "objects"
+        assert synced == [str(objects), str(objects / DA[:2])]
+        synced.clear()
+        assert store.put(A) == DA and synced == []  # durable now: at once
+
+
+def test_a_put_into_a_fan_out_directory_another_put_made_fsyncs_objects(tmp_path, monkeypatch):
+    """Regression: a put that found its fan-out directory there skipped the fsync of
+    objects/, though the put that made the directory might not have fsynced it yet."""
+    from wal import _fs
+
+    with FileFragmentStore(tmp_path) as store:
+        store.put(A)
+    same_fanout = next(
+        data
+        for i in range(100_000)
+        if (data := b"%d" % i) != A and hashlib.sha256(data).hexdigest()[:2] == DA[:2]
+    )
+    synced: list[str] = []
+    real = _fs.fsync_dir
+    monkeypatch.setattr(_fs, "fsync_dir", lambda d: (synced.append(str(d)), real(d)))
+    with FileFragmentStore(tmp_path) as store:
+        store.put(same_fanout)
+    objects = tmp_path / "objects"
+    assert synced == [str(objects), str(objects / DA[:2])]
