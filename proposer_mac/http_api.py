@@ -9,8 +9,11 @@ as `muser generate --seed`, so a seeded request reproduces the local lane token 
 
 Text is decoded from the whole token list on every update, so a delta never splits a UTF-8
 character or a BPE merge and the streamed deltas concatenate to the non-streaming text.
-Stop strings cut the text and end the response. Other routes (the daemon's `/metrics`) join
-the same app through `create_app(..., extra_routes=...)`.
+Stop strings cut the text and end the response. Errors before the session starts are the
+request's (4xx, or the verifier's status for its open); a session that fails after it
+started is a server error (5xx; once streaming, an error event before [DONE]). A client
+that disconnects cancels its handler and so its session. Other routes (the daemon's
+`/metrics`) join the same app through `create_app(..., extra_routes=...)`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from aiohttp import web
 
 from cluster_config import ClusterConfig
 from muser.errors import MuserError, RefusedError
-from proposer_mac.link import LinkDown
+from proposer_mac.link import LinkDown, RoundRefused
 from proposer_mac.openai_request import (
+    CHAT,
     COMPLETION_MAX_TOKENS,
+    COMPLETIONS,
     Api,
     ApiError,
     chat_messages,
@@ -42,6 +47,7 @@ from proposer_mac.openai_request import (
     sampling_params,
     stop_strings,
 )
+from proposer_mac.session import ResultRejected
 from proposer_mac.text_stream import TextStream
 
 log = logging.getLogger("muser.http")
@@ -56,7 +62,10 @@ _GRPC_STATUS = {
 
 
 def api_error(exc: BaseException) -> ApiError:
-    """Map a domain error to one HTTP status: refused input 400, verifier down 503, else 500."""
+    """Map an error raised before a session started (the request's checks, the session's
+    open) to one HTTP status: refused input 400, the verifier's status mapped (its session
+    limit 429), verifier down 503, else 500. Failures of a session that started are
+    `session_error`'s."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RefusedError):
@@ -66,6 +75,30 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, LinkDown):
         status = 503
     return ApiError(str(exc), status=status)
+
+
+def session_error(runner, exc: BaseException) -> ApiError:
+    """A session that started and then failed: never the client's fault. The verifier
+    unreachable 503; a refusal from it or a result that does not check out 502; anything
+    else (a disk, a bug: its traceback logged here) 500. Always a server_error."""
+    sid = runner.session.session_id.hex()[:8]
+    if isinstance(exc, LinkDown):
+        status = 503
+    elif isinstance(exc, RoundRefused | ResultRejected):
+        status = 502
+    else:
+        status = 500
+    if not isinstance(exc, MuserError):
+        log.error("session %s failed", sid, exc_info=exc)
+    return ApiError(f"session {sid} failed: {type(exc).__name__}: {exc}", status=status)
+
+
+_STREAMING: Any = (
+    web.RequestKey("muser_streaming", web.StreamResponse)
+    if hasattr(web, "RequestKey")  # aiohttp >= 3.13; plain keys before it
+    else "muser_streaming"
+)
+"""The event stream a handler prepared: once its status line is sent, no other response."""
 
 
 @web.middleware
@@ -85,6 +118,10 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         error = ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500)
     if error.status >= 500:
         log.error("%s %s: %s", request.method, request.path, error.message)
+    stream = request.get(_STREAMING)
+    if stream is not None:  # the status line is gone: the error travels as the last event
+        await _end_stream(stream, error)
+        return stream
     return web.json_response(error.body(), status=error.status)
 
 
@@ -117,8 +154,25 @@ API = web.AppKey("muser_api", Api)
 # --- request bodies -----------------------------------------------------------------------
 
 
+def _too_large(request: web.Request, size: int | None) -> ApiError:
+    limit = request.client_max_size
+    got = f"{size} bytes" if size is not None else f"over {limit} bytes"
+    return ApiError(
+        f"the request body is {got}; this server reads at most "
+        f"limits.max_message_bytes = {limit} bytes",
+        status=413,
+        code="request_too_large",
+    )
+
+
 async def _json_body(request: web.Request) -> dict:
-    raw = await request.read()
+    size = request.content_length
+    if size is not None and size > request.client_max_size:
+        raise _too_large(request, size)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:  # no Content-Length (chunked): counted as read
+        raise _too_large(request, None) from None
     try:
         body = json.loads(raw)
     except ValueError as exc:
@@ -143,12 +197,17 @@ def finish_reason(session) -> str:
 
 
 async def text_pieces(runner, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
-    """(delta, finish_reason) from the runner's durable tokens; the last carries the reason."""
+    """(delta, finish_reason) from the runner's durable tokens; the last carries the reason.
+    A failure of the session (whatever the runner raises) comes out as `session_error`'s
+    ApiError."""
     offset = 0
     while True:
-        tokens, done = await runner.wait_tokens(offset)
-        offset += len(tokens)
-        delta = text.feed(tokens, final=done)
+        try:
+            tokens, done = await runner.wait_tokens(offset)
+            offset += len(tokens)
+            delta = text.feed(tokens, final=done)
+        except Exception as exc:
+            raise session_error(runner, exc) from exc
         if text.stopped:
             yield delta, "stop"
             return
@@ -230,12 +289,25 @@ async def _send(resp: web.StreamResponse, body: dict) -> None:
     await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
 
+async def _end_stream(resp: web.StreamResponse, error: ApiError) -> None:
+    """Best effort, after a failure past the status line: the error event, [DONE], the end
+    of the body (a client that left, or a body already ended, gets nothing more)."""
+    try:
+        await _send(resp, error.body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionError, RuntimeError) as exc:  # RuntimeError: written after write_eof
+        log.info("could not end the event stream with the error: %s", exc)
+
+
 async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> web.StreamResponse:
-    """Server-sent events: one chunk per durable delta, the reason last, then [DONE]."""
+    """Server-sent events: one chunk per durable delta, the reason last, then [DONE]; a
+    failure of the session travels as an error event before [DONE]."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
+    request[_STREAMING] = resp
     head = reply.envelope(chunk=True)
     try:
         if reply.chat:
@@ -250,8 +322,9 @@ async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> we
             if include_usage:
                 usage = {"usage": reply.usage(), "muser": reply.muser()}
                 await _send(resp, {**head, "choices": [], **usage})
-        except MuserError as exc:  # the status line is gone: the error travels as an event
-            await _send(resp, api_error(exc).body())
+        except ApiError as exc:  # (text_pieces') the status line is gone: an event
+            log.error("%s %s: %s", request.method, request.path, exc.message)
+            await _send(resp, exc.body())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:
@@ -302,14 +375,14 @@ async def _models(request: web.Request) -> web.Response:
 async def _completions(request: web.Request) -> web.StreamResponse:
     api = request.app[API]
     body = await _json_body(request)
-    check_common(body, api)
+    check_common(body, api, COMPLETIONS)
     return await _generate(request, body, prompt_tokens(body, api.tokenizer), chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     api = request.app[API]
     body = await _json_body(request)
-    check_common(body, api)
+    check_common(body, api, CHAT)
     text = chat_prompt(api.tokenizer, chat_messages(body))
     return await _generate(request, body, encode_text(api.tokenizer, text, "messages"), chat=True)
 
@@ -353,7 +426,9 @@ async def serve_http(
     """Start `app` on HOST:PORT on the running loop (HTTPS with `ssl_context`); returns
     (runner, bound port)."""
     host, _, port = address.rpartition(":")
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    # handler_cancellation: a client that disconnects cancels its handler, whose `finally`
+    # (`_generate`) cancels the session; without it a non-streaming request runs to its end
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, int(port), ssl_context=ssl_context).start()

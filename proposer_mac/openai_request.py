@@ -20,21 +20,68 @@ SEED_LIMIT = 2**32
 COMPLETION_MAX_TOKENS = 16
 """OpenAI's documented default for /v1/completions; chat fills the context instead."""
 
-# Parameters this server does not implement: a value other than these is refused (fail
-# closed) rather than silently ignored.
-UNSUPPORTED: dict[str, tuple] = {
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
+HONOURED = frozenset(
+    {
+        "model", "n", "seed", "temperature", "top_p", "top_k", "max_tokens",
+        "max_completion_tokens", "stop", "stream", "stream_options", "ignore_eos",
+    }
+)  # fmt: skip
+"""Fields every endpoint reads (each checked where it is read)."""
+HARMLESS = frozenset({"user", "metadata"})
+"""Fields that never change the output: accepted and not read."""
+STREAM_OPTIONS = frozenset({"include_usage"})
+
+# Fields this server does not implement, accepted only at their neutral values (a value that
+# means "off"); any field not named here or above is refused, never silently ignored.
+_NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "logit_bias": ({},),
+}
+COMPLETION_NEUTRAL: dict[str, tuple] = {
+    **_NEUTRAL,
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logprobs": (False,),  # an integer asks for logprobs (0: the sampled token's)
+}
+CHAT_NEUTRAL: dict[str, tuple] = {
+    **_NEUTRAL,
+    "logprobs": (False,),
+    "top_logprobs": (0,),
     "tools": ([],),
     "functions": ([],),
+    "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
 }
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """The fields one route takes: what it reads, and what it takes at a neutral value."""
+
+    name: str
+    reads: frozenset[str]
+    neutral: dict[str, tuple]
+
+    @property
+    def known(self) -> frozenset[str]:
+        return self.reads | HARMLESS | frozenset(self.neutral)
+
+
+COMPLETIONS = Endpoint("/v1/completions", HONOURED | {"prompt"}, COMPLETION_NEUTRAL)
+CHAT = Endpoint("/v1/chat/completions", HONOURED | {"messages"}, CHAT_NEUTRAL)
+
+
+def _same(value, neutral) -> bool:
+    """Equal and of the same kind: 0 is not False, 1.0 is 1."""
+
+    def kind(v):
+        if isinstance(v, bool):
+            return bool
+        return float if isinstance(v, int | float) else type(v)
+
+    return kind(value) is kind(neutral) and value == neutral
 
 
 class ApiError(Exception):
@@ -85,7 +132,28 @@ def field(body: dict, name: str, kind: type, default, expected: str):
     return float(value) if kind is float else value
 
 
-def check_common(body: dict, api: Api) -> None:
+def check_common(body: dict, api: Api, endpoint: Endpoint) -> None:
+    """The fields every request shares, and no field this server would ignore: one it does
+    not know, or one it does not implement at a value other than its neutral one. A null
+    counts as absent (the default, which changes nothing)."""
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name not in endpoint.known:
+            raise ApiError(
+                f"unknown field {name!r}: POST {endpoint.name} takes "
+                f"{', '.join(sorted(endpoint.known))}; a field this server would ignore is "
+                "refused",
+                param=name,
+            )
+        neutral = endpoint.neutral.get(name)
+        if neutral is not None and not any(_same(value, n) for n in neutral):
+            allowed = " or ".join(json.dumps(n) for n in neutral)
+            raise ApiError(
+                f"{name}={json.dumps(value)[:80]} is not supported by this server "
+                f"(only {allowed}, the default, is accepted)",
+                param=name,
+            )
     model = body.get("model")
     if model is not None and model != api.model_id:
         raise ApiError(
@@ -96,10 +164,14 @@ def check_common(body: dict, api: Api) -> None:
     n = field(body, "n", int, 1, "an integer")
     if n != 1:
         raise ApiError(f"n must be 1 (one choice per request), got {n}", param="n")
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value not in neutral:
-            raise ApiError(f"{name}={value!r} is not supported by this server", param=name)
+    options = field(body, "stream_options", dict, {}, "an object")
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        raise ApiError(
+            f"unknown stream_options field {unknown[0]!r}: this server takes "
+            f"{', '.join(sorted(STREAM_OPTIONS))}",
+            param=f"stream_options.{unknown[0]}",
+        )
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 Decoding the whole token list on every update means a delta never splits a UTF-8 character
 or a BPE merge; tails that could begin a stop string wait for the next update; the first
-stop string cuts the text and ends the stream.
+stop string to complete cuts the text and ends the stream.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ class TextStream:
     Every feed decodes the whole token list, so a character or merge split across tokens
     comes out whole; a trailing partial character (U+FFFD) and any tail that could begin a
     stop string are held back until the next feed, and only text that extends what was
-    already sent is emitted. The first stop string found cuts the text and ends the stream.
+    already sent is emitted. The first stop string to complete cuts the text and ends the
+    stream.
     """
 
     def __init__(self, tokenizer, stops: Sequence[str] = ()):
@@ -48,11 +49,16 @@ class TextStream:
         return self._extend(text, last=final)
 
     def _find_stop(self, text: str) -> tuple[int, int] | None:
-        """The earliest stop occurrence not already inside the sent text: (start, end)."""
+        """The stop occurrence that completes first, not already inside the sent text:
+        (start, end). Smallest end, then smallest start: what feeding one token at a time
+        finds, however the tokens arrive (the stop that starts first may end later)."""
         longest = max((len(s) for s in self.stops), default=0)
         since = max(0, len(self.sent) - longest + 1)
-        found = [(i, i + len(s)) for s in self.stops if (i := text.find(s, since)) >= 0]
-        return min(found) if found else None
+        found = [(i + len(s), i) for s in self.stops if (i := text.find(s, since)) >= 0]
+        if not found:
+            return None
+        end, start = min(found)
+        return start, end
 
     def _tokens_through(self, prefix: str, before: int) -> int:
         """The fewest tokens whose text covers `prefix` (the stop string's last token

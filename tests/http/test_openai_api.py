@@ -245,6 +245,9 @@ BAD_REQUESTS = [
     ("/completions", {"max_tokens": 8}, "prompt", "missing required field 'prompt'"),
     ("/completions", {"prompt": [7] * 2040, "max_tokens": 64}, "max_tokens", "window is 2048"),
     ("/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
+    ("/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "unknown field 'min_p'"),
+    ("/completions", {"prompt": "x", "logprobs": 0}, "logprobs", "logprobs=0 is not supported"),
+    ("/chat/completions", {"messages": [], "top_logprobs": 3}, "top_logprobs", "not supported"),
     ("/chat/completions", {"max_tokens": 8}, "messages", "messages must be a non-empty list"),
     ("/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]", "content"),
 ]

@@ -83,3 +83,26 @@ def test_the_checkpoint_chat_template_is_used_when_it_has_one(fixture_pair):
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     assert chat_prompt(tok, [{"role": "user", "content": "hi"}]) == "<|user|>hi\n<|assistant|>"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 1000])
+def test_the_stop_that_completes_first_wins_however_the_tokens_arrive(tokenizer, ids, chunk):
+    """ "done.\nnext" starts before "one" but "one" completes first: fed one token at a
+    time "one" cuts the text, so it must in one chunk too."""
+    stream = TextStream(tokenizer, ["done.\nnext", "one"])
+    parts = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+    out = ""
+    for i, part in enumerate(parts):
+        out += stream.feed(part, final=i == len(parts) - 1)
+        if stream.stopped:
+            break
+    assert stream.stopped and out == TEXT[: TEXT.index("one")]
+    covered = tokenizer.decode(stream.tokens)
+    assert "one" in covered and "one" not in tokenizer.decode(stream.tokens[:-1])
+
+
+def test_stops_ending_together_cut_at_the_longer_one(tokenizer, ids):
+    """ "line:" and "e:" complete on the same character: the one starting first cuts."""
+    for stops in (["e:", "line:"], ["line:", "e:"]):
+        stream = TextStream(tokenizer, stops)
+        assert stream.feed(ids, final=True) == TEXT[: TEXT.index("line:")]
