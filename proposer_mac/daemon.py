@@ -42,7 +42,7 @@ from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Drafter
 from proposer_mac.driver import SessionRunner
 from proposer_mac.servicer import ProposerServicer, metrics_view
-from proposer_mac.session import ProposerSession
+from proposer_mac.session import ProposerSession, SessionFailed
 
 log = logging.getLogger("muser.proposer")
 
@@ -214,16 +214,19 @@ class ProposerCore:
                 session.last_result = signed
                 session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
             session.prepared, session.ahead = js.prepared, js.ahead
-            session.done = session.done or js.done
+            # a failed one is not done: a client that reconnects gets its tokens, then why
+            session.done = session.done or (js.done and js.failed is None)
             runner = self._runner(session)
-            if not session.done:
+            if js.failed is not None:
+                runner.error = SessionFailed(f"session {sid.hex()[:8]} failed: {js.failed}")
+            elif not session.done:
                 self._start(runner)
                 resumed += 1
             log.info(
                 "session %s recovered at round %d (%s)",
                 sid.hex()[:8],
                 session.next_round,
-                "done" if session.done else "resuming",
+                "failed" if js.failed else "done" if session.done else "resuming",
                 extra={"session": sid.hex(), "round": session.next_round},
             )
         return resumed
@@ -266,13 +269,55 @@ class ProposerCore:
             tuple(self.config.lane.capture_layers),
             width=session_width(lane, draft_len),
         )
+        left = asyncio.Event()
+        opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # the caller left (a client disconnected) mid-open: the open goes on (its OPEN
+            # may be durable already), and a session that opens ends before its first
+            # round, DONE journaled and closed on the verifier
+            left.set()
+            opening.add_done_callback(_cancel_opened)
+            raise
+
+    async def _open(
+        self, session: ProposerSession, prompt: list[int], draft_len: int, left: asyncio.Event
+    ) -> SessionRunner:
+        """OPEN journaled, the session opened on the verifier, its runner started (cancelled
+        from the start when its caller `left`). An open the verifier refuses or never
+        answers journals FAILED behind the OPEN, so no restart resumes a session whose client
+        was told it failed."""
         await self.log.append_async(
             journal.encode_open(session.open, session.epoch, prompt, draft_len)
         )
-        await self.context.open_remote(session)
+        try:
+            await self.context.open_remote(session)
+        except Exception as exc:
+            sid = session.session_id.hex()[:8]
+            try:
+                reason = f"its open failed: {exc}"
+                await self.log.append_async(journal.encode_failed(session.session_id, reason))
+            except Exception as failed_exc:  # the OPEN stays: a restart resumes the session
+                log.error("session %s: its open failed (%s) and FAILED was not journaled: %s",
+                          sid, exc, failed_exc)  # fmt: skip
+            else:
+                log.info("session %s: its open failed, journaled FAILED: %s", sid, exc)
+            raise
         runner = self._runner(session)
+        if left.is_set():
+            runner.cancel()
         self._start(runner)
         return runner
+
+
+def _cancel_opened(opening: asyncio.Future) -> None:
+    """For a session opened as its caller left: end it after the round in flight, if any
+    (or, when the open failed, only take its exception: the log has it)."""
+    if opening.cancelled():
+        return
+    if opening.exception() is None:
+        opening.result().cancel()
 
 
 def lookahead_on(setting: str, verifier_address: str) -> bool:

@@ -141,11 +141,13 @@ class SessionRunner:
             self.changed.notify_all()
 
     async def _run(self) -> None:
+        loop = _Loop(start=time.perf_counter() - self.stats.wall_s)
         try:
-            await self._drive()
+            await self._drive(loop)
         except Exception as exc:  # a failed session is reported to its clients, not lost
             log.error("session %s failed: %s", self.session.session_id.hex()[:8], exc)
-            self.error = exc
+            self.error = exc.with_traceback(None)  # its frames would keep the stream alive
+            await self._fail(loop, exc)
         finally:
             if self._sending is not None:
                 self._sending.cancel()  # a failed session sends nothing more ahead
@@ -301,11 +303,8 @@ class SessionRunner:
         here and that request is in flight. "void": it expects another head; the stream
         that carries its refusal is closed. "none": nothing went ahead."""
         s = self.session
-        try:
+        try:  # a failed draft fails the session: `_fail` makes this round durable
             went = await self._sending if self._sending is not None else None
-        except Exception:  # its draft failed: this round still becomes durable
-            await self._commit(checked)
-            raise
         finally:
             self._sending = None
         if s.ahead is None:
@@ -372,9 +371,8 @@ class SessionRunner:
             _look_ahead(stream, speculation, outcome.round + 2)
         return _Ahead(signed, taken, stream if sent is not None else None, sent, speculation)
 
-    async def _drive(self) -> None:
+    async def _drive(self, loop: _Loop) -> None:
         s = self.session
-        loop = _Loop(start=time.perf_counter() - self.stats.wall_s)
         while not s.done and not (self.cancelled and s.prepared is None):
             logs.set_round(s.session_id, s.next_round)  # log lines carry session and round
             if s.prepared is None:
@@ -388,12 +386,8 @@ class SessionRunner:
         """Steps 1 and 2: the next draft (made ahead, or made now), its signed request, and
         PREPARED durable behind the last result's COMMITTED."""
         s = self.session
-        try:
-            proposal, loop.draft_s = await (loop.drafting or self._start_draft())
-        except Exception:
-            if loop.checked is not None:  # the round before still becomes durable
-                await self._commit(loop.checked)
-            raise
+        # a failed draft fails the session: `_fail` makes the round before durable
+        proposal, loop.draft_s = await (loop.drafting or self._start_draft())
         loop.drafting = None
         self.stats.draft_s += loop.draft_s
         remaining = s.params.max_tokens - len(s.emitted)
@@ -517,6 +511,38 @@ class SessionRunner:
         if loop.stream is not None:
             loop.stream.close()
         await self.core.close_remote(s)
+
+    async def _fail(self, loop: _Loop, exc: Exception) -> None:
+        """The session failed for good (what `_drive` does not retry: a result that does not
+        check, a refusal, a draft that failed). FAILED is journaled, behind the last result's
+        COMMITTED and after any request going ahead, so no restart resumes a session whose
+        client was told it failed; then it lets go of what it holds: its drafts ahead, its
+        stream and, once FAILED is durable, its session on the verifier (a slot of
+        limits.max_sessions there). Best effort: the client has its error already."""
+        s, sid = self.session, self.session.session_id.hex()[:8]
+        if self._sending is not None:  # its PREPARED must not land after FAILED
+            sending, self._sending = self._sending, None
+            await asyncio.wait([sending])
+            if not sending.cancelled() and sending.exception() is not None:
+                log.info("session %s: the request ahead failed too: %s", sid, sending.exception())
+        if loop.drafting is not None:
+            loop.drafting.cancel()
+        if loop.speculation is not None:
+            loop.speculation.drop()
+        if loop.stream is not None:
+            loop.stream.close()
+        try:
+            await self._append(
+                loop.checked, journal.encode_failed(s.session_id, str(exc) or type(exc).__name__)
+            )
+        except Exception as journal_exc:  # the session resumes after a restart
+            log.error("session %s: FAILED was not journaled: %s", sid, journal_exc)
+            return
+        loop.checked = None
+        try:
+            await self.core.close_remote(s)
+        except Exception as close_exc:
+            log.warning("session %s: closing it on the verifier failed: %s", sid, close_exc)
 
     def _sent(self, loop: _Loop) -> None:
         """The request is on the wire: the speculation on its proposal starts (not before: it

@@ -6,6 +6,7 @@ Entries (canonical, domain "proposer-journal"; a tag byte first):
     PREPARED   round, Signed(RoundRequest) — journaled and fsynced before it is sent
     COMMITTED  round, Signed(RoundResult)  — journaled and fsynced before any token is emitted
     DONE       session finished (max tokens or a stop token)
+    FAILED     session failed (why, as its client was told): finished, never resumed
 
 Replaying the journal rebuilds every session: transcript, head, MT state, the request still
 in flight (re-sent byte for byte on restart; the verifier answers it from its WAL).
@@ -48,7 +49,7 @@ SNAPSHOT_DOMAIN_1 = "proposer-journal-snapshot"
 """The snapshot before requests went ahead: still read."""
 SNAPSHOT_DOMAINS = (SNAPSHOT_DOMAIN, SNAPSHOT_DOMAIN_1, None)
 """The snapshots this interpreter reads (None: not a canonical record, refused by name)."""
-OPEN, PREPARED, COMMITTED, DONE = 1, 2, 3, 4
+OPEN, PREPARED, COMMITTED, DONE, FAILED = 1, 2, 3, 4, 5
 
 
 def encode_open(open_: SessionOpen, epoch: int, prompt: list[int], draft_len: int) -> bytes:
@@ -73,6 +74,12 @@ def encode_done(session_id: bytes) -> bytes:
     return Writer(DOMAIN).u32(DONE).raw(session_id, 16).bytes()
 
 
+def encode_failed(session_id: bytes, reason: str) -> bytes:
+    """The session failed for good (its client was told `reason`): a restart must not
+    resume it, and a client that reconnects is told it failed."""
+    return Writer(DOMAIN).u32(FAILED).raw(session_id, 16).text(reason).bytes()
+
+
 @dataclass
 class JournaledSession:
     open: SessionOpen
@@ -85,6 +92,8 @@ class JournaledSession:
     ahead: Signed | None = None
     """The next round's request, journaled on the early decision of the one in flight."""
     done: bool = False
+    failed: str | None = None
+    """Why it failed (FAILED), if it did; it is then done too."""
 
 
 def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
@@ -116,6 +125,9 @@ def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
                 s.prepared, s.ahead = next_in_flight(s.ahead, signed), None
         elif tag == DONE:
             sessions[r.raw(16)].done = True
+        elif tag == FAILED:
+            s = sessions[r.raw(16)]
+            s.done, s.failed = True, r.text()
         else:
             raise ValueError(f"journal: unknown entry tag {tag}")
         r.end()
@@ -135,7 +147,10 @@ def retained(
     sessions: dict[bytes, JournaledSession], keep_finished: int
 ) -> dict[bytes, JournaledSession]:
     """What a snapshot keeps of replayed `sessions`: every unfinished one and the
-    `keep_finished` latest finished ones (journal order)."""
+    `keep_finished` latest finished ones (journal order). A failed one is not kept: a client
+    that reconnects to it after a compaction is told the session is unknown (never that it
+    finished)."""
+    sessions = {sid: s for sid, s in sessions.items() if s.failed is None}
     finished = [sid for sid, s in sessions.items() if s.done]
     dropped = set(finished[: max(0, len(finished) - keep_finished)])
     return {sid: s for sid, s in sessions.items() if sid not in dropped}
@@ -209,6 +224,8 @@ def describe(payload: bytes) -> dict:
         return out
     if tag == DONE:
         return {"entry": "done", "session": r.raw(16).hex()}
+    if tag == FAILED:
+        return {"entry": "failed", "session": r.raw(16).hex(), "reason": r.text()}
     raise ValueError(f"unknown entry tag {tag}")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
-from muser.errors import RefusedError
+from muser.errors import MuserError, RefusedError
 from muser.mt19937 import Mt19937
 from muser.records import (
     Identity,
@@ -56,6 +56,11 @@ class Outcome:
 
 class ResultRejected(RefusedError):
     """A verifier result that does not check out; its tokens are never emitted."""
+
+
+class SessionFailed(MuserError):
+    """A session that failed before this daemon started (FAILED in its journal): a client
+    that reconnects gets its durable tokens, then this."""
 
 
 @dataclass

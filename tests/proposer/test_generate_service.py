@@ -606,9 +606,9 @@ async def test_journal_order_and_acks_of_each_round(key_set, tmp_path, ahead):
 async def test_a_draft_that_fails_after_a_result_still_commits_that_result(
     key_set, tmp_path, monkeypatch, ahead
 ):
-    """The round before a failed draft still becomes durable (alone: no PREPARED follows),
-    and its tokens reach clients before the session's error; the same when the draft was to
-    go out on the round's decision."""
+    """The round before a failed draft still becomes durable (no PREPARED follows: FAILED
+    does), and its tokens reach clients before the session's error; the same when the draft
+    was to go out on the round's decision."""
     from proposer_mac import journal
     from proposer_mac.driver import SessionRunner
 
@@ -629,6 +629,7 @@ async def test_a_draft_that_fails_after_a_result_still_commits_that_result(
     emitted = runner.session.emitted
     assert len(emitted) > 0 and runner.durable == len(emitted)  # round 0's tokens
     mine = [(e["entry"], e.get("round")) for e in entries if e["entry"] != "open"]
-    assert mine == [("prepared", 0), ("committed", 0)]
+    assert mine == [("prepared", 0), ("committed", 0), ("failed", None)]  # never resumed
+    assert entries[-1]["reason"] == "the draft backend died"
     tokens, finished = await runner.wait_tokens(0)
     assert tokens == emitted and not finished
