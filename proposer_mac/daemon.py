@@ -75,6 +75,9 @@ class ProposerCore:
         """Sessions draft on sequences of `draft` and wait in the draft thread together."""
         self.draft_identity = _identity(draft.identity)
         self.target_identity = target_identity or _target_identity(config)
+        self.target_context_length: int | None = None
+        """The target's context window as its verifier reports it (`ask_target_identity`),
+        for a proposer without the target's files."""
         Path(p.wal_dir).mkdir(parents=True, exist_ok=True)
         self.stats = DaemonStats()
         """Journal fsyncs; the rounds are each runner's LaneStats (`metrics_view` sums them)."""
@@ -381,6 +384,8 @@ async def ask_target_identity(core: ProposerCore, timeout: float = 60.0) -> Iden
         )
         t = json.loads(reply.json)["target"]
         ident = Identity(t["model_digest"], t["tokenizer_digest"], int(t["vocab_size"]))
+        context = t.get("context_length")  # (absent from a verifier before it reported one)
+        core.target_context_length = None if context is None else int(context)
     except grpc.aio.AioRpcError as exc:
         raise RefusedError(
             f"the target's files are not at verifier.target ({core.config.verifier.target}) "
@@ -446,7 +451,7 @@ async def _start_http(core: ProposerCore, config: ClusterConfig, routes):
         core,
         config,
         core.tokenizer,
-        context_length=http_api.target_context_length(config),
+        context_length=http_api.target_context_length(config) or core.target_context_length,
         extra_routes=routes,
     )
     context = tls.http_ssl_context(config.tls, "proposer")  # HTTPS under [tls]

@@ -418,6 +418,7 @@ def status_json(manager: SessionManager) -> dict:
             "model_digest": t.model_digest,
             "tokenizer_digest": t.tokenizer_digest,
             "vocab_size": t.vocab_size,
+            "context_length": manager.backend.geometry.context_length,
             "device": _device_label(manager.backend),
             # torch: "lean" (the lean Llama forward) or "transformers"; absent for others
             "forward": getattr(manager.backend, "forward_kind", None),

@@ -176,6 +176,8 @@ async def test_a_proposer_without_the_target_files_asks_the_verifier(key_set, tm
     c = await start(key_set, tmp_path, ask_identity=True)  # verifier.target: "no-target"
     try:
         assert c.server.core.target_identity == identity_of(c.verifier.backend)
+        # its context window too: the HTTP API sizes a request without max_tokens by it
+        assert c.server.core.target_context_length == c.verifier.backend.geometry.context_length
         events = await c.generate(PARAMS, prompt_tokens=[3, 1, 4, 1, 5])
         tokens = [t for e in events for t in e.tokens]
         assert len(tokens) == PARAMS.max_tokens
