@@ -31,6 +31,11 @@ def _scope(role: Role | None) -> frozenset[str]:
 # --- addresses -----------------------------------------------------------------------------
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+"""Hosts that bind a port on every interface of the machine (`[::]` and `[]` without their
+brackets): such a server takes the port from every other address of that machine."""
+
+
 def _endpoint(address: str) -> str:
     from muser.tls import host_of
 
@@ -38,27 +43,84 @@ def _endpoint(address: str) -> str:
     return f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
 
 
-def _listeners(config: ClusterConfig) -> list[tuple[str, set[str]]]:
-    """Each server the cluster runs, with the endpoints (address and bind) it occupies."""
+def _host_port(endpoint: str) -> tuple[str, str]:
+    host, _, port = endpoint.rpartition(":")
+    return host, port
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listeners(config: ClusterConfig) -> list[tuple[str, str, dict[str, str]]]:
+    """Each server the cluster runs: (name, node, {field: HOST:PORT as written}) for the
+    addresses (address and bind) it occupies."""
     out = []
     for role in NODES:
         node = getattr(config, role)
-        out.append((f"{role}.address", {_endpoint(node.address), _endpoint(node.bind_address)}))
+        fields = {f"{role}.address": node.address}
+        if node.bind is not None:
+            fields[f"{role}.bind"] = node.bind
+        out.append((f"{role}.address", role, fields))
         http = getattr(node, "http", None)
         if isinstance(http, str):
-            out.append((f"{role}.http", {_endpoint(http)}))
+            out.append((f"{role}.http", role, {f"{role}.http": http}))
     return out
 
 
+def _nodes_apart(config: ClusterConfig) -> bool:
+    """Whether the two nodes are known to run on two machines: their addresses name different
+    hosts, neither a wildcard, and the verifier's is not a loopback one (the proposer dials
+    it, so a loopback verifier address puts both on one machine)."""
+    verifier = _host_port(_endpoint(config.verifier.address))[0]
+    proposer = _host_port(_endpoint(config.proposer.address))[0]
+    return (
+        verifier != proposer
+        and not {verifier, proposer} & WILDCARD_HOSTS
+        and not _loopback(verifier)
+    )
+
+
+def _wildcard_clash(fields: dict[str, str], other_fields: dict[str, str]) -> str | None:
+    """The message for two endpoints on one port of one machine, one of them a wildcard."""
+    for field, address in fields.items():
+        host, port = _host_port(_endpoint(address))
+        for other_field, other_address in other_fields.items():
+            other_host, other_port = _host_port(_endpoint(other_address))
+            if port == other_port and {host, other_host} & WILDCARD_HOSTS:
+                wildcard, any_host = (
+                    (field, other_field) if host in WILDCARD_HOSTS else (other_field, field)
+                )
+                return (
+                    f"{field} {address!r} and {other_field} {other_address!r} both use port "
+                    f"{port} on one machine: {wildcard} binds it on every interface, so "
+                    f"{any_host} cannot have it too; give each server its own HOST:PORT"
+                )
+    return None
+
+
 def distinct_addresses(config: ClusterConfig, scope: frozenset[str]) -> None:
+    """Each server its own HOST:PORT. localhost is 127.0.0.1; a wildcard host (0.0.0.0, [::])
+    takes its port on every interface, so it clashes with any host on that port on the same
+    machine: within a node always, across the nodes unless they are known to be apart."""
     listeners = _listeners(config)
-    for i, (name, endpoints) in enumerate(listeners):
-        for other, other_endpoints in listeners[i + 1 :]:
-            if shared := sorted(endpoints & other_endpoints):
+    apart = _nodes_apart(config)
+    for i, (name, node, fields) in enumerate(listeners):
+        for other, other_node, other_fields in listeners[i + 1 :]:
+            endpoints = {_endpoint(address) for address in fields.values()}
+            if shared := sorted(endpoints & {_endpoint(a) for a in other_fields.values()}):
                 raise ConfigError(
                     f"{name} and {other} both use {shared[0]!r} (addresses and binds "
                     "compared); give each server its own HOST:PORT"
                 )
+            one_machine = node == other_node or not apart
+            if one_machine and (message := _wildcard_clash(fields, other_fields)):
+                raise ConfigError(message)
 
 
 # --- models --------------------------------------------------------------------------------

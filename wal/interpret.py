@@ -87,7 +87,7 @@ def load_interpreter(spec: str) -> None:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError, TypeError) as exc:  # ValueError, TypeError: "", ".x"
         raise WalError(f"cannot import record interpreter module {module_name!r}: {exc}") from exc
     if not attr:
         return
@@ -95,13 +95,39 @@ def load_interpreter(spec: str) -> None:
         target = getattr(module, attr)
     except AttributeError as exc:
         raise WalError(f"module {module_name!r} has no attribute {attr!r}") from exc
-    register_interpreter(target() if isinstance(target, type) else target)
+    if isinstance(target, type):
+        try:
+            target = target()
+        except TypeError as exc:
+            raise WalUsageError(
+                f"record interpreter {spec!r}: class {attr!r} cannot be made with no arguments "
+                f"({exc}); expected an interpreter instance or a zero-argument class"
+            ) from exc
+    register_interpreter(target)
+
+
+def load_requested_interpreter(spec: str) -> None:
+    """Load an interpreter the operator asked for (`--interpreter SPEC`). One that cannot be
+    imported or found is bad input, refused (exit 2) naming SPEC and what is registered."""
+    try:
+        load_interpreter(spec)
+    except WalUsageError:
+        raise
+    except WalError as exc:
+        names = ", ".join(i.name for i in registered_interpreters()) or "none"
+        raise WalUsageError(
+            f"--interpreter {spec!r}: {exc}; expected MODULE or MODULE:ATTR naming an "
+            f"importable record interpreter (registered interpreters: {names})"
+        ) from exc
 
 
 def load_builtin_interpreters(extra: Iterable[str] = ()) -> tuple[RecordInterpreter, ...]:
-    """Load BUILTIN_INTERPRETERS and `extra` specs; return everything registered."""
-    for spec in (*BUILTIN_INTERPRETERS, *extra):
+    """Load BUILTIN_INTERPRETERS and `extra` specs (the operator's, refused when they cannot
+    be loaded); return everything registered."""
+    for spec in BUILTIN_INTERPRETERS:
         load_interpreter(spec)
+    for spec in extra:
+        load_requested_interpreter(spec)
     return registered_interpreters()
 
 

@@ -11,13 +11,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0 (NaN and negatives refused, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also false for NaN
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+_seconds.__name__ = "a number of seconds >= 0"  # what argparse names in its own messages
 
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.add_argument("--config", required=True, help="cluster.toml")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for SERVING")
+    p.add_argument(
+        "--wait", type=_seconds, default=0.0, help="seconds to wait for SERVING (default 0)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -1,8 +1,9 @@
 """`muser wal inspect|verify|repair DIR`: look at, check and fix a commit-log directory.
 
 Exit codes: 0 all good; 1 verify found a failure (named on stderr); 2 refused (not a
-directory, a directory without segment files, unreadable key file, a format version this
-build cannot read).
+directory, a directory without segment files, an unreadable key file or one that is no
+Ed25519 public key, an --interpreter that cannot be loaded, a format version this build
+cannot read).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def format_inspect(report: dict) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from muser.walkeys import PubkeyFile
     from wal.errors import WalUsageError
     from wal.interpret import load_builtin_interpreters
     from wal.tools import verify_log
@@ -123,7 +125,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     keys = []
     for path in args.pubkey:
         try:
-            keys.append(path.read_bytes())
+            keys.append(PubkeyFile(path.read_bytes(), path))  # a refusal names the file
         except OSError as exc:
             raise WalUsageError(f"cannot read public key file {path}: {exc}") from exc
     load_builtin_interpreters(args.interpreter)
