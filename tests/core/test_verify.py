@@ -166,7 +166,9 @@ def test_analytic_first_token_distribution_equals_p():
 
 def test_statistical_first_token_matches_p_over_100k_rounds():
     """Seeded; with 100,000 rounds and a per-token two-sided z bound of 5.5 sigma, the
-    false-failure probability is below 8 x 3.8e-8 = 3.1e-7 (Bonferroni over 8 tokens)."""
+    false-failure probability is about 3.2e-7: the exact two-sided binomial tails of these 8
+    tokens' counts at 5.5 sigma sum to 3.24e-7 (Bonferroni; the normal tails would say
+    8 x 3.8e-8 = 3.1e-7, a little low for the rarer tokens)."""
     gen = np.random.default_rng(4)
     vocab, depth, rounds = 8, 2, 100_000
     p = gen.dirichlet(np.ones(vocab), size=depth + 1)
