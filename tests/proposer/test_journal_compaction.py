@@ -15,11 +15,9 @@ import pytest_asyncio
 import wal
 from muser.records import RoundResult, Signed
 from proposer_mac import journal
-from proposer_mac.daemon import create_server
-from tests.core.fake_backend import FakeBackend
-from tests.proposer.test_generate_service import PARAMS, CharTokenizer, start, stop
+from tests.proposer.restart import proposer_again
+from tests.proposer.test_generate_service import PARAMS, start, stop
 from tests.verifier.conftest import PROMPT
-from tests.verifier.lane_client import identity_of
 from wal.base import Snapshot
 from wal.interpret import load_builtin_interpreters
 from wal.tools import verify_log
@@ -53,17 +51,8 @@ async def compacted(core, timeout: float = 10.0):
 @contextlib.asynccontextmanager
 async def restarted(config, c):
     """A proposer daemon started on `config`'s journal (after `c` stopped); its runners."""
-    server, _ = await create_server(
-        config,
-        draft=FakeBackend(order=1, salt=1),
-        target_identity=identity_of(c.verifier.backend),
-        tokenizer=CharTokenizer(),
-    )
-    try:
-        yield server.core.runners
-    finally:
-        await server.stop(None)
-        server.core.log.close()
+    async with proposer_again(config, c) as core:
+        yield core.runners
 
 
 @pytest.fixture

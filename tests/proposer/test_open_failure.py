@@ -5,20 +5,17 @@ follow it, or a restarted daemon would resume a session nobody reads."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
 
 from muser.sampling import SamplingParams
 from proposer_mac.context import DriverContext
-from proposer_mac.daemon import create_server
 from proposer_mac.link import LinkDown, RoundRefused
 from proposer_mac.session import SessionFailed
-from tests.core.fake_backend import FakeBackend
-from tests.proposer.test_generate_service import PARAMS, CharTokenizer, start, stop
+from tests.proposer.restart import proposer_again
+from tests.proposer.test_generate_service import PARAMS, start, stop
 from tests.verifier.conftest import PROMPT
-from tests.verifier.lane_client import identity_of
 
 pytestmark = pytest.mark.asyncio
 
@@ -36,20 +33,9 @@ def told_it_failed(runner) -> bool:
     return runner.task is None and isinstance(runner.error, SessionFailed)
 
 
-@contextlib.asynccontextmanager
-async def restarted(c):
+def restarted(c):
     """The proposer daemon started again on `c`'s config and journal (after it stopped)."""
-    server, _ = await create_server(
-        c.server.core.config,
-        draft=FakeBackend(order=1, salt=1),
-        target_identity=identity_of(c.verifier.backend),
-        tokenizer=CharTokenizer(),
-    )
-    try:
-        yield server.core
-    finally:
-        await server.stop(None)
-        server.core.log.close()
+    return proposer_again(c.server.core.config, c)
 
 
 async def stop_proposer(c) -> None:

@@ -17,12 +17,11 @@ from muser.errors import RefusedError
 from muser.records import RoundRequest, Signed
 from muser.sampling import SamplingParams
 from proposer_mac import journal
-from proposer_mac.daemon import create_server
 from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
-from tests.proposer.test_generate_service import CharTokenizer, start, stop
+from tests.proposer.restart import proposer_again
+from tests.proposer.test_generate_service import start, stop
 from tests.verifier.conftest import PROMPT
-from tests.verifier.lane_client import identity_of
 
 pytestmark = pytest.mark.asyncio
 
@@ -178,17 +177,8 @@ async def proposer_on(config, c, journal_dir):
     config = config.model_copy(
         update={"proposer": config.proposer.model_copy(update={"wal_dir": journal_dir})}
     )
-    server, _ = await create_server(
-        config,
-        draft=twin(),
-        target_identity=identity_of(c.verifier.backend),
-        tokenizer=CharTokenizer(),
-    )
-    try:
-        yield server.core
-    finally:
-        await server.stop(None)
-        server.core.log.close()
+    async with proposer_again(config, c, draft=twin()) as core:
+        yield core
 
 
 async def _left_open(self, session) -> None:

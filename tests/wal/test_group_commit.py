@@ -460,76 +460,76 @@ def test_a_failed_write_poisons_the_log_before_the_next_batch_is_written():
     assert writes == [[b"a"]]  # nothing written behind the failure
 
 
+class TwoBatches:
+    """A group commit over fakes whose batch "a" (seq 1) and batch "b" (seq 2) each hold
+    their fsync until let go: `entered[n]` once fsync n is in progress, `gates[n]` lets it
+    return (fsync 2 raising EIO when `second_fails`)."""
+
+    def __init__(self, second_fails: bool) -> None:
+        self.gates = {1: threading.Event(), 2: threading.Event()}
+        self.entered = {1: threading.Event(), 2: threading.Event()}
+        self.second_fails = second_fails
+        self.durable: list[int] = []
+        self.outcome: dict[str, object] = {}
+        self.group = GroupCommit(self._write, self._sync, self.durable.append, "test")
+
+    @staticmethod
+    def _write(payloads):
+        first = 1 if payloads == [b"a"] else 2
+        return first, first
+
+    def _sync(self, ticket):
+        self.entered[ticket].set()
+        assert self.gates[ticket].wait(10)
+        if ticket == 2 and self.second_fails:
+            raise WalIOError("fsync of seg-1 failed: [Errno 5] Input/output error")
+
+    def append(self, name: str) -> threading.Thread:
+        def run():
+            try:
+                self.outcome[name] = self.group.submit(name.encode())
+            except WalIOError as exc:
+                self.outcome[name] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def overlapping(self) -> tuple[threading.Thread, threading.Thread]:
+        """Batch a's fsync in progress (a gave up the writer role), then b's beside it."""
+        a = self.append("a")
+        assert self.entered[1].wait(10)
+        b = self.append("b")
+        assert self.entered[2].wait(10)
+        return a, b
+
+
 def test_a_batch_whose_fsync_error_another_fsync_took_is_not_acknowledged():
     """Linux reports a writeback error to one fsync of the file: batch A's fsync may return
     0 while an overlapping fsync (batch B's) reports A's lost pages. Regression: A was
     acknowledged as soon as its own fsync returned. Now A waits for the fsyncs in progress
     when its own returned, and fails with B's error."""
-    gates = {1: threading.Event(), 2: threading.Event()}
-    entered = {1: threading.Event(), 2: threading.Event()}
-
-    def write(payloads):
-        first = 1 if payloads == [b"a"] else 2
-        return first, first
-
-    def sync(ticket):
-        entered[ticket].set()
-        assert gates[ticket].wait(10)
-        if ticket == 2:
-            raise WalIOError("fsync of seg-1 failed: [Errno 5] Input/output error")
-
-    group = GroupCommit(write, sync, lambda seq: None, "test")
-    outcome: dict[str, object] = {}
-
-    def append(name, payload):
-        try:
-            outcome[name] = group.submit(payload)
-        except WalIOError as exc:
-            outcome[name] = exc
-
-    a = threading.Thread(target=append, args=("a", b"a"))
-    a.start()
-    assert entered[1].wait(10)  # A's fsync in progress (A gave up the writer role)
-    b = threading.Thread(target=append, args=("b", b"b"))
-    b.start()
-    assert entered[2].wait(10)  # B's fsync overlaps A's
-    gates[1].set()  # A's fsync returns 0
+    two = TwoBatches(second_fails=True)
+    a, b = two.overlapping()
+    two.gates[1].set()  # A's fsync returns 0
     a.join(0.3)
-    assert a.is_alive() and "a" not in outcome  # not acknowledged while B's is in progress
-    gates[2].set()  # B's fsync reports the error
+    assert a.is_alive() and "a" not in two.outcome  # not acknowledged while B's runs
+    two.gates[2].set()  # B's fsync reports the error
     a.join(10)
     b.join(10)
-    assert isinstance(outcome["a"], WalIOError) and isinstance(outcome["b"], WalIOError)
-    assert "Input/output error" in str(outcome["a"])
-    group.close()
+    assert isinstance(two.outcome["a"], WalIOError) and isinstance(two.outcome["b"], WalIOError)
+    assert "Input/output error" in str(two.outcome["a"])
+    two.group.close()
 
 
 def test_overlapping_fsyncs_that_succeed_acknowledge_both_in_order():
-    gates = {1: threading.Event(), 2: threading.Event()}
-    entered = {1: threading.Event(), 2: threading.Event()}
-    durable = []
-
-    def write(payloads):
-        first = 1 if payloads == [b"a"] else 2
-        return first, first
-
-    def sync(ticket):
-        entered[ticket].set()
-        assert gates[ticket].wait(10)
-
-    group = GroupCommit(write, sync, durable.append, "test")
-    seqs = {}
-    a = threading.Thread(target=lambda: seqs.setdefault("a", group.submit(b"a")))
-    a.start()
-    assert entered[1].wait(10)
-    b = threading.Thread(target=lambda: seqs.setdefault("b", group.submit(b"b")))
-    b.start()
-    assert entered[2].wait(10)
-    gates[1].set()
+    two = TwoBatches(second_fails=False)
+    a, b = two.overlapping()
+    two.gates[1].set()
     a.join(0.3)
     assert a.is_alive()  # waits for B's fsync, which overlapped its own
-    gates[2].set()
+    two.gates[2].set()
     a.join(10)
     b.join(10)
-    assert seqs == {"a": 1, "b": 2} and durable == [1, 2]
-    group.close()
+    assert two.outcome == {"a": 1, "b": 2} and two.durable == [1, 2]
+    two.group.close()
