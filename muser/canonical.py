@@ -153,7 +153,13 @@ class Reader:
         return bytes(self._take(self.u32()))
 
     def text(self) -> str:
-        return self.blob().decode("utf-8")
+        data = self.blob()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CanonicalError(
+                f"a text field is not UTF-8 (byte {data[exc.start]:#04x} at {exc.start})"
+            ) from None
 
     def u32s(self) -> list[int]:
         n = self.u32()

@@ -83,6 +83,7 @@ class SparseRow:
                 and all(a < b for a, b in zip(i[:-1], i[1:], strict=True))
                 and all(math.isfinite(v) and v >= 0 for v in x)
                 and any(v > 0 for v in x)
+                and math.isfinite(sum(x))
             ):
                 return
         if ids.ndim != 1 or w.ndim != 1 or ids.shape != w.shape or ids.size == 0:
@@ -126,6 +127,10 @@ def _check_weights(w: np.ndarray, where: str) -> None:
         raise InvalidWeightsError(f"{where}: weights must be >= 0, got {float(w.min())!r}")
     if not np.any(w > 0):
         raise InvalidWeightsError(f"{where}: weights are all zero")
+    with np.errstate(over="ignore"):  # each finite, their sum not: q = w / Z would be 0
+        total = w.sum()
+    if not np.isfinite(total):
+        raise InvalidWeightsError(f"{where}: weights sum to infinity; expected a finite sum")
 
 
 def check_probability_rows(rows: np.ndarray, where: str) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from cluster_config.schema import Limits
 from muser.backend import ModelIdentity
-from muser.canonical import Writer
+from muser.canonical import CanonicalError, Writer
 from muser.errors import (
     CaptureLayerError,
     ContextOverflowError,
@@ -138,6 +138,11 @@ def check_room(prompt_len: int, params: SamplingParams, context_length: int) -> 
 
 def check_closure(state: SessionState, request: RoundRequest, stage: FragmentStage) -> None:
     """Every fragment the request names is derived from the session or held and consistent."""
+    for i, d in enumerate(request.transcript_digests):
+        if len(d) != 32:
+            raise CanonicalError(
+                f"transcript digest {i} is {len(d)} bytes; expected a 32-byte SHA-256"
+            )
     chunks = [sha256(c) for c in transcript_chunks(state.transcript)]
     mt_digest = state_digest(state.mt)
     named = [("pre-round MT state", request.pre_state_digest, mt_digest)]
@@ -205,11 +210,18 @@ def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int
         )
 
 
-def check_drafts(state: SessionState, request: RoundRequest, vocab: int) -> None:
+def check_drafts(
+    state: SessionState, request: RoundRequest, vocab: int, max_drafts: int = 64
+) -> None:
     """Every geometry and value check, then the drafting replay (DESIGN.md §4 step 1)."""
     depth = len(request.drafts)
     if len(request.q_rows) != depth:
         raise RowCountError(f"{depth} drafts need {depth} draft rows, got {len(request.q_rows)}")
+    if depth > max_drafts:
+        raise DraftOverrunError(
+            f"{depth} drafts received; this verifier's lane takes at most {max_drafts} a "
+            "round (lane.draft_len_max)"
+        )
     room = max(0, state.remaining - 1)
     if depth > room:
         raise DraftOverrunError(

@@ -155,6 +155,7 @@ def create_server(
             clock=clock,
             qualified_draft=qualified_draft,
             max_decode_len=config.lane.decode_len,
+            max_drafts=config.lane.draft_len_max,
             compact_bytes=config.verifier.commit_compact_bytes,
         )
         commit_log.on_fsync = manager.stats.observe_fsync

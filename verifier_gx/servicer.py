@@ -24,6 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from muser import logs
 from muser.affinity import pinned_to
@@ -227,6 +228,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         reader = asyncio.ensure_future(self._read(session_id, messages, inbox))
         try:
             while (msg := await inbox.get()) is not None:
+                if isinstance(msg, DecodeError):  # a message that does not parse
+                    where = f"session {session_id.hex()[:8]}"
+                    bad = CanonicalError(f"a message of the stream is not a ProposerMessage: {msg}")
+                    await self._abort(context, bad, where)
                 if isinstance(msg, BaseException):  # the request stream failed
                     raise msg
                 async for out in self._in_order(session_id, msg):
@@ -329,6 +334,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             outcome = await self.manager.run_round(signed, on_decided)
         except MuserError as exc:
             return [self._error(request.round, exc, where)]
+        except Exception as exc:  # a fault of ours (the backend, a bug): this round's alone
+            log.error("%s failed", where, exc_info=exc)
+            failure = MuserError(f"the verifier failed computing the round: {exc!r}")
+            return [self._error(request.round, failure, where)]
         out = [
             pb.VerifierMessage(fragment=pb.Fragment(digest=d, data=data))
             for d, data in outcome.captures

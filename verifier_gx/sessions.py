@@ -149,6 +149,7 @@ class SessionManager:
         clock: Callable[[], float] = time.monotonic,
         qualified_draft: tuple[str, str] | None = None,
         max_decode_len: int = 1,
+        max_drafts: int = 64,
         verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
         compact_bytes: int = 0,
     ) -> None:
@@ -158,6 +159,9 @@ class SessionManager:
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
         self.max_decode_len = max_decode_len
         """The most tokens one draftless round may ask this verifier to decode (lane.decode_len)."""
+        self.max_drafts = max_drafts
+        """The most drafts one round may carry (lane.draft_len_max): a round's witness rows
+        are (D + 1) x vocabulary floats, so D is bounded by the lane, not by the session."""
         self.qualified_draft = qualified_draft
         """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
         opened with another draft are refused (None: not checked, e.g. unqualified tests)."""
@@ -533,7 +537,7 @@ class SessionManager:
                     f"{request.round}"
                 )
             check_closure(state, request, self.fragments)
-            check_drafts(state, request, self.target.vocab_size)
+            check_drafts(state, request, self.target.vocab_size, self.max_drafts)
             check_decode(state, request, self.max_decode_len)
             return await self._commit(state, request, digest, on_decided)
 

@@ -83,7 +83,21 @@ MUTATIONS = {
     "decode_len_with_drafts": (lambda r: dataclasses.replace(r, decode_len=2),
                                C.INVALID_ARGUMENT, "decode_len"),
     "decode_len_over_the_lane": (lambda r: undrafted(r, 9), C.INVALID_ARGUMENT, "decode_len"),
+    "more_drafts_than_the_lane": (lambda r: dataclasses.replace(r, drafts=r.drafts * 2,
+                                                                q_rows=r.q_rows * 2),
+                                  C.INVALID_ARGUMENT, "too_many_drafts"),
+    "q_weights_summing_to_infinity": (
+        lambda r: with_row(r, 0, SparseRow(r.q_rows[0].ids.copy(),
+                                           np.full(r.q_rows[0].ids.size, 1e308))),
+        C.INVALID_ARGUMENT, "invalid_weights"),
+    "transcript_digest_not_32_bytes": (lambda r: dataclasses.replace(
+                                           r, transcript_digests=(b"abc",)),
+                                       C.INVALID_ARGUMENT, "malformed"),
 }  # fmt: skip
+"""The last three were holes found in review: a round of 6 drafts to a lane of at most 4
+was computed and signed (only the session's remaining tokens bounded D, so a round's
+witness rows could be 4095 x vocabulary floats); finite weights summing to infinity were
+refused as 'q = 0'; a 3-byte transcript digest asked for a fragment named 616263."""
 
 
 def undrafted(request: RoundRequest, decode_len: int) -> RoundRequest:
@@ -317,3 +331,69 @@ async def test_a_capturing_session_decodes_one_token_a_round(verifier):
     with pytest.raises(DecodeLengthError, match=r"captures layers \[0\], and decode rounds"):
         check_decode(state, request, 8)
     check_decode(state, undrafted(client.draft_request(), 1), 8)  # one token a round is fine
+
+
+async def test_a_round_wider_than_the_lane_says_so(verifier):
+    client, stream = await opened(verifier)
+    request = client.draft_request()
+    wide = dataclasses.replace(request, drafts=request.drafts * 2, q_rows=request.q_rows * 2)
+    err = await expect_refused(
+        verifier, client, stream, client.sign(wide), C.INVALID_ARGUMENT, "too_many_drafts"
+    )
+    depth = 2 * len(request.drafts)
+    assert err.message == (
+        f"{depth} drafts received; this verifier's lane takes at most 4 a round "
+        "(lane.draft_len_max)"
+    )
+
+
+async def test_a_fault_of_the_verifier_is_that_rounds_error_not_the_streams(verifier, monkeypatch):
+    """Regression: an exception that is no MuserError while computing a round (the
+    backend's out-of-memory, a bug) ended the whole stream with UNKNOWN. It is that round's
+    INTERNAL error, in band; nothing is written, and the session goes on."""
+    client, stream = await opened(verifier)
+    import verifier_gx.executor as executor
+
+    request = client.draft_request()
+    failed = []
+
+    def out_of_memory(*args, **kw):  # every try: the batch's, and the round's alone
+        failed.append(True)
+        raise RuntimeError("CUDA out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(executor, "evaluate_batch", out_of_memory)
+        patch.setattr(executor.TargetExecutor, "witness_logits", out_of_memory)
+        err = await expect_refused(
+            verifier, client, stream, client.sign(request), C.INTERNAL, "internal"
+        )
+    assert "RuntimeError('CUDA out of memory')" in err.message and failed
+    await finish_like_uncrashed(verifier, client, stream)
+
+
+async def test_a_message_that_does_not_parse_is_malformed(verifier):
+    """Regression: bytes that are no ProposerMessage (a string field that is not UTF-8)
+    ended the stream with UNKNOWN; it is INVALID_ARGUMENT malformed."""
+    client, stream = await opened(verifier, rounds=0)
+    request = pb.ProposerMessage(request=client.sign(client.draft_request()))
+    raw = request.SerializeToString()
+    key_id = client.key_id.encode()
+    assert raw.count(key_id) == 1
+    raw = raw.replace(key_id, b"\xff" * len(key_id))  # the same length: still framed
+    channel_call = verifier.channel.stream_stream(  # raw bytes: the stub would serialise
+        "/muser.v2.Verifier/Rounds",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.VerifierMessage.FromString,
+    )()
+    await channel_call.write(
+        pb.ProposerMessage(
+            attach=pb.Attach(session_id=client.session_id, epoch=3)
+        ).SerializeToString()
+    )
+    await channel_call.write(raw)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        while True:
+            msg = await channel_call.read()
+            assert msg is not grpc.aio.EOF
+    assert caught.value.code() == C.INVALID_ARGUMENT
+    assert caught.value.details().startswith("malformed: a message of the stream is not")

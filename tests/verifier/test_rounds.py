@@ -52,6 +52,7 @@ def check_chain(open_: SessionOpen, results: list[Signed], public) -> None:
     ids=["greedy", "sampled", "sampled-empty-draft", "sampled-wide"],
 )
 async def test_session_equals_local_lane_and_heads_chain(verifier, params, draft_len, q_top_k):
+    verifier.manager.max_drafts = max(4, draft_len)  # a lane of up to 6 (lane.draft_len_max)
     client = verifier.client(params, draft_len=draft_len, q_top_k=q_top_k)
     reply = await client.open_session()
     assert reply.head == reply.genesis_head == client.open.genesis_head()
