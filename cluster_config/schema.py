@@ -297,7 +297,9 @@ class Limits(_Strict):
         8 * 1024 * 1024,
         ge=1024,
         le=GRPC_INT_MAX,
-        description="Largest gRPC message either daemon accepts (gRPC takes at most 2**31 - 1).",
+        description="Largest gRPC message either daemon accepts (gRPC takes at most 2**31 - 1); "
+        "also the most fragment bytes one session may keep staged on the verifier, not yet "
+        "acknowledged.",
     )
     max_tokens: int = Field(4096, ge=1, description="Largest max_tokens a session may ask for.")
     finished_sessions: int = Field(

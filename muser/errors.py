@@ -153,6 +153,10 @@ class FragmentHashMismatchError(RefusedError):
     """Fragment bytes that do not hash to the digest they came with."""
 
 
+class FragmentLimitError(RefusedError):
+    """A session's staged, unacknowledged fragments would pass the verifier's limit."""
+
+
 class FragmentMismatchError(RefusedError):
     """A well-formed fragment whose content disagrees with the committed session."""
 

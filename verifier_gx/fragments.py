@@ -6,6 +6,11 @@ The proposer's ack of round r releases everything staged for rounds <= r of that
 closing a session releases all of its fragments. Losing them in a restart is harmless:
 a request that names a fragment the verifier no longer holds is answered with
 `missing_fragments`, and the proposer sends it again.
+
+What a proposer sends is counted per session (`held_by`: each fragment's bytes plus
+OVERHEAD, once per session however often it comes), so the verifier can bound what one
+session keeps staged (`SessionManager.put_fragment`); capture fragments, the verifier's own,
+are not counted.
 """
 
 from __future__ import annotations
@@ -15,11 +20,17 @@ from muser.records import sha256
 
 Owner = tuple[bytes, int]
 
+OVERHEAD = 64
+"""Bytes a staged fragment is charged beyond its data (its digest and bookkeeping), so that
+a flood of tiny fragments is bounded too."""
+
 
 class FragmentStage:
     def __init__(self) -> None:
         self._data: dict[bytes, bytes] = {}
         self._owners: dict[bytes, set[Owner]] = {}
+        self._counted: set[tuple[bytes, bytes]] = set()  # (digest, session) charged
+        self._held: dict[bytes, int] = {}  # session: bytes charged to it
 
     @staticmethod
     def check(digest: bytes, data: bytes) -> None:
@@ -29,13 +40,21 @@ class FragmentStage:
                 f"fragment named {digest.hex()} holds {len(data)} bytes hashing to {actual.hex()}"
             )
 
-    def put(self, digest: bytes, data: bytes, owner: Owner) -> bool:
-        """Stage `data`; True when it was new (duplicates are absorbed)."""
+    def put(self, digest: bytes, data: bytes, owner: Owner, counted: bool = True) -> bool:
+        """Stage `data`; True when it was new (duplicates are absorbed). `counted`: charged
+        to the owner's session (`held_by`)."""
         self.check(digest, data)
         new = digest not in self._data
         self._data.setdefault(digest, data)
         self._owners.setdefault(digest, set()).add(owner)
+        if counted and (digest, owner[0]) not in self._counted:
+            self._counted.add((digest, owner[0]))
+            self._held[owner[0]] = self.held_by(owner[0]) + len(data) + OVERHEAD
         return new
+
+    def held_by(self, session_id: bytes) -> int:
+        """Bytes the session's counted fragments are charged, until acked or closed."""
+        return self._held.get(session_id, 0)
 
     def get(self, digest: bytes) -> bytes | None:
         return self._data.get(digest)
@@ -51,12 +70,23 @@ class FragmentStage:
         freed = 0
         for digest in list(self._owners):
             owners = {o for o in self._owners[digest] if not doomed(o)}
+            for sid in {o[0] for o in self._owners[digest]} - {o[0] for o in owners}:
+                self._uncount(digest, sid)
             if owners:
                 self._owners[digest] = owners
             else:
                 del self._owners[digest], self._data[digest]
                 freed += 1
         return freed
+
+    def _uncount(self, digest: bytes, session_id: bytes) -> None:
+        if (digest, session_id) in self._counted:
+            self._counted.discard((digest, session_id))
+            left = self._held[session_id] - len(self._data[digest]) - OVERHEAD
+            if left:
+                self._held[session_id] = left
+            else:
+                del self._held[session_id]
 
     def __len__(self) -> int:
         return len(self._data)

@@ -38,6 +38,7 @@ from muser.errors import (
     DraftZeroProbabilityError,
     EquivocationError,
     FragmentHashMismatchError,
+    FragmentLimitError,
     FragmentMismatchError,
     FrontierMismatchError,
     FutureEpochError,
@@ -101,6 +102,7 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     FrontierMismatchError: (C.FAILED_PRECONDITION, "frontier_mismatch"),
     MissingFragmentsError: (C.FAILED_PRECONDITION, "missing_fragments"),
     FragmentHashMismatchError: (C.DATA_LOSS, "fragment_hash_mismatch"),
+    FragmentLimitError: (C.RESOURCE_EXHAUSTED, "fragments_full"),
     FragmentMismatchError: (C.FAILED_PRECONDITION, "fragment_mismatch"),
     RowCountError: (C.INVALID_ARGUMENT, "row_count"),
     RowWidthError: (C.INTERNAL, "row_width"),  # witness rows come from our own backend

@@ -46,6 +46,7 @@ from muser import keys
 from muser.backend import ModelBackend, ModelIdentity
 from muser.errors import (
     EquivocationError,
+    FragmentLimitError,
     FragmentMismatchError,
     FutureEpochError,
     GenesisMismatchError,
@@ -87,7 +88,7 @@ from verifier_gx.admission import (
 from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
 from verifier_gx.compaction import LogCompactor, replay_log
 from verifier_gx.compute import RoundComputer, RoundJob
-from verifier_gx.fragments import FragmentStage
+from verifier_gx.fragments import OVERHEAD, FragmentStage
 from verifier_gx.journal import SessionState, short
 from verifier_gx.kvpool import KvPool
 from wal.errors import WalError
@@ -487,7 +488,16 @@ class SessionManager:
     # ---- fragments ------------------------------------------------------------------------
 
     def put_fragment(self, session_id: bytes, digest: bytes, data: bytes) -> None:
+        """Stage a fragment the proposer sent, up to limits.max_message_bytes a session
+        holds unacknowledged (each charged OVERHEAD more): enough for any transcript, and no
+        unbounded memory for fragments nothing names."""
         state = self.state(session_id)
+        cap, held = self.limits.max_message_bytes, self.fragments.held_by(session_id)
+        if self.fragments.get(digest) is None and held + len(data) + OVERHEAD > cap:
+            raise FragmentLimitError(
+                f"session {short(session_id)} has {held} bytes of fragments staged and not "
+                f"acknowledged; {len(data)} more would pass limits.max_message_bytes = {cap}"
+            )
         self.fragments.put(digest, data, (session_id, state.next_round))
 
     def ack(self, session_id: bytes, round_: int) -> int:
@@ -600,7 +610,7 @@ class SessionManager:
             )
         tokens = state.apply_round(result, digest, signed, post)
         for d, data in captures:
-            self.fragments.put(d, data, (state.session_id, request.round))
+            self.fragments.put(d, data, (state.session_id, request.round), counted=False)
         if state.done:  # a finished session only answers retries, from the log
             self.kv.drop(state.session_id)
         self._observe(request, decision, len(tokens), timings)

@@ -3,6 +3,7 @@ written to the WAL and the session state is unchanged (DESIGN.md §5, §6)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import os
@@ -14,6 +15,7 @@ import pytest
 from muser.records import RoundRequest, sha256
 from muser.sampling import SamplingParams, SparseRow
 from muser.wire import muser_v2_pb2 as pb
+from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import Verifier, make_config
 
 pytestmark = pytest.mark.asyncio
@@ -219,6 +221,38 @@ async def test_fragment_hash_mismatch(verifier):
     assert verifier.snapshot(client.session_id) == before
     assert len(verifier.manager.fragments) == 0
     await finish_like_uncrashed(verifier, client, stream)
+
+
+async def test_fragments_nothing_names_are_bounded_per_session(key_set, tmp_path):
+    """Regression: fragments sent on an attached stream were staged whatever their number
+    (64 x 1 MiB nothing named stayed until an ack or the close). A session holds at most
+    limits.max_message_bytes of them unacknowledged (each charged 64 bytes more); past it
+    they are refused RESOURCE_EXHAUSTED fragments_full, and an ack makes room again."""
+    v = await Verifier(
+        make_config(key_set, tmp_path / "wal", max_message_bytes=16384), key_set, FakeBackend
+    ).start()
+    try:
+        client, stream = await opened(v)
+        before = v.snapshot(client.session_id)
+        blobs = [os.urandom(5000) for _ in range(4)]
+        for blob in blobs[:3]:  # 3 x 5064 = 15192 <= 16384
+            await stream.fragment(sha256(blob), blob)
+        await stream.fragment(sha256(blobs[0]), blobs[0])  # a duplicate is charged once
+        await stream.fragment(sha256(blobs[3]), blobs[3])
+        msg = await asyncio.wait_for(stream.read(), 10)  # (before: no answer, ever)
+        assert (msg.error.code, msg.error.reason) == (
+            C.RESOURCE_EXHAUSTED.value[0],
+            "fragments_full",
+        )
+        assert "15192 bytes of fragments staged" in msg.error.message
+        assert "limits.max_message_bytes = 16384" in msg.error.message
+        assert len(v.manager.fragments) == 3 and v.snapshot(client.session_id) == before
+        await stream.send(ack=pb.Ack(session_id=client.session_id, round=before[3]))
+        await stream.fragment(sha256(blobs[3]), blobs[3])  # room again: no error follows
+        await finish_like_uncrashed(v, client, stream)
+        assert v.manager.fragments.held_by(client.session_id) == 5000 + 64
+    finally:
+        await v.stop()
 
 
 async def test_unknown_session_and_unattached_stream(verifier):
