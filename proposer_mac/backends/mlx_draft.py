@@ -139,9 +139,30 @@ class MlxBackend:
             raise ContextOverflowError(f"{exc}{self._limit_note}") from None
         if not ids:
             return np.zeros((0, self.vocab_size))
-        rows = self._forward(ids)
+        try:
+            rows = self._forward(ids)
+        except BaseException:
+            self._cut_to_tokens()
+            raise
         self._tokens.extend(ids)
         return rows
+
+    def _cut_to_tokens(self) -> None:
+        """After a forward that failed part-way (the layer caches it reached advanced their
+        offsets, the others not): every layer back to the tokens this backend holds,
+        trimmed where it can be, else the cache rebuilt from them."""
+        held = len(self._tokens)
+        if all(getattr(c, "is_trimmable", lambda: False)() for c in self._cache):
+            for c in self._cache:
+                extra = c.offset - held
+                if extra > 0:
+                    c.trim(extra)
+            return
+        tokens = list(self._tokens)
+        self.reset()
+        if tokens:
+            self._forward(tokens)
+            self._tokens = tokens
 
     def _forward(self, ids: list[int]) -> np.ndarray:
         mx = self._mx

@@ -539,12 +539,34 @@ class TorchBackend:
                 else:
                     kwargs = {self._cache_kwarg: self._cache}  # the cache is updated in place
                     logits = self._model(input_ids=input_ids, use_cache=True, **kwargs).logits
+        except BaseException:
+            self._cut_to_tokens()
+            raise
         finally:
             for hook in hooks:
                 hook.remove()
         self._tokens.extend(ids)
         logits = logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
         return logits, captured
+
+    def _cut_to_tokens(self) -> None:
+        """After a forward that failed part-way (out of memory at layer k): the layers it
+        reached hold its tokens' KV and the others do not, while `length` says neither. Every
+        layer is cut back to the tokens this backend holds, so the next forward attends to
+        exactly those (or, for a cache without layers to cut, the cache is rebuilt)."""
+        held = len(self._tokens)
+        layers = getattr(self._cache, "layers", None)
+        if layers is None:
+            tokens = list(self._tokens)
+            self.reset()
+            if tokens:
+                self._forward(tokens, ())
+            return
+        for layer in layers:
+            if getattr(layer, "is_initialized", False):
+                extra = layer.keys.shape[-2] - held
+                if extra > 0:
+                    layer.crop(-extra)
 
     def _hook(self, index: int, captured: dict[int, np.ndarray]):
         torch = self._torch
