@@ -99,7 +99,9 @@ class Stopped(Exception):
 
 @dataclass
 class _Checkpoint:
-    length: int
+    """Where the last real draft left the cursor: its tokens and the row after them."""
+
+    tokens: list[int]
     last_row: np.ndarray | None
 
 
@@ -213,7 +215,7 @@ class Drafter:
         held = [*transcript, *current.drafts[:-1]]
         if depth == 0 or not self.cursor.holds(held) or self.cursor.last_row is None:
             return None
-        self._checkpoint = _Checkpoint(len(held), self.cursor.last_row)
+        self._checkpoint = _Checkpoint(held, self.cursor.last_row)
         row = (yield [current.drafts[-1]])[-1]
         q = draft_row(row, self.params, self.q_top_k)
         if self.params.greedy:
@@ -247,7 +249,7 @@ class Drafter:
         if self._checkpoint is None:  # no speculation since `current`: mark where it ended
             held = [*transcript, *current.drafts[:-1]]
             if current.drafts and self.cursor.holds(held) and self.cursor.last_row is not None:
-                self._checkpoint = _Checkpoint(len(held), self.cursor.last_row)
+                self._checkpoint = _Checkpoint(held, self.cursor.last_row)
         self._rewind()
         proposal = yield from self._draft([*transcript, *emitted], post, depth, None)
         return Speculation(list(emitted), depth, proposal)
@@ -378,10 +380,18 @@ class Drafter:
         self._checkpoint = None
 
     def _rewind(self) -> None:
+        """Back to the checkpoint, if the cursor still holds its tokens. Matched on the
+        tokens, not the length: a draft on a decision that rejected a draft holds another
+        prefix of that length, and the checkpoint's row is not the row after it."""
         cp = self._checkpoint
-        if cp is not None and len(self.cursor.tokens) >= cp.length:
-            self.cursor.truncate(cp.length)
-            self.cursor.last_row = cp.last_row
+        n = len(cp.tokens) if cp is not None else 0
+        if cp is None or len(self.cursor.tokens) < n:
+            return
+        if self.cursor.tokens[:n] != cp.tokens:
+            self._checkpoint = None  # stale: the cursor's own row stands
+            return
+        self.cursor.truncate(n)
+        self.cursor.last_row = cp.last_row
 
     def _restore(self) -> None:
         """Put the cursor back where the last real draft left it (after a missed guess)."""

@@ -187,3 +187,33 @@ def test_a_speculation_stopped_before_it_began_drafts_nothing(models, next_depth
     spec = drafter.speculate(prompts[0], state, proposal, next_depth, (), stop)
     assert spec is not None and spec.proposal is None
     assert spec.emitted[:4] == proposal.drafts
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_draft_after_following_a_rejection_starts_from_its_own_row(greedy):
+    """Regression: the drafter's checkpoint (where the last real draft left its cursor) was
+    matched on its length only. Drafting on a decision that rejected draft D-2 leaves the
+    cursor holding another prefix of that very length; a fresh draft made then (the
+    followed draft not taken: the width chose another D) restored the checkpoint's row, the
+    row after the rejected draft, and drew its first draft from it. Now it drafts exactly
+    as a drafter that never speculated."""
+    from tests.core.fake_backend import FakeBackend
+
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=1000, seed=3)
+    backend = FakeBackend(order=1, salt=1)  # (its vocabulary)
+    transcript, state = [3, 1, 4, 1, 5, 9, 2, 6], Mt19937.from_seed(3)
+    for x in range(backend.vocab_size):
+        drafter = Drafter(FakeBackend(order=1, salt=1), params)
+        current = drafter.draft(transcript, state, 4)
+        emitted = [*current.drafts[:2], x]  # the verifier rejected the third draft, chose x
+        if x == current.drafts[2]:
+            continue
+        drafter.run(drafter.follow_steps(transcript, current, emitted, state, 3))
+        got = drafter.draft([*transcript, *emitted], state, 2)  # not the followed depth
+        want = Drafter(FakeBackend(order=1, salt=1), params).draft(
+            [*transcript, *emitted], state, 2
+        )
+        assert got.drafts == want.drafts
+        for mine, theirs in zip(got.q_rows, want.q_rows, strict=True):
+            np.testing.assert_array_equal(mine.ids, theirs.ids)
+            np.testing.assert_array_equal(mine.weights, theirs.weights)
