@@ -3,8 +3,11 @@
 Each session gets its own `TargetExecutor` over its own sequence of the backend
 (`MultiSequenceBackend.sequence()`), so switching between sessions costs no prefill. When a
 new session would exceed the cap, the least recently used session's KV is dropped; its next
-round re-evaluates its committed transcript (the same path a restarted verifier takes), so
-eviction changes timing, never a decision.
+round re-evaluates its committed transcript (the same path a restarted verifier takes). A
+decision is the target's rows judged exactly, so eviction changes timing and, at most, the
+last float bits of those rows: a transcript evaluated in one prefill gives rows about 3e-6
+from the same one evaluated round by round (float32 sums in another order), as a batched
+forward does against a lone one. Only a near-tie of greedy argmax could tell them apart.
 
 A backend without per-sequence KV (vLLM, the test fakes) gives every session a cursor over
 its one shared KV: correct, and re-evaluated whenever sessions interleave.
