@@ -73,26 +73,29 @@ class _Outage:
         time.sleep(self.backoff)
         self.backoff = min(self.backoff * 2, 1.0)
 
+    def ready(self, channel, on_wait) -> None:
+        """Wait for the channel to the proposer to connect, for as long as this outage may
+        still last (`left`), telling `on_wait` after the first second; a call is only made on
+        a connected channel, so that no call waits for a proposer for ever (a call that waits
+        for the channel has no deadline)."""
+        import grpc
 
-def _ready(channel, seconds: float, address: str, on_wait) -> None:
-    """Wait up to `seconds` for the channel to the proposer to connect, telling `on_wait`
-    after the first second; a call is only made on a connected channel, so that no call
-    waits for a proposer for ever (a call that waits for the channel has no deadline)."""
-    import grpc
-
-    future = grpc.channel_ready_future(channel)
-    try:
-        future.result(timeout=min(1.0, seconds))
-        return
-    except grpc.FutureTimeoutError:
-        pass
-    if on_wait is not None:
-        on_wait(f"waiting for the proposer at {address} (up to {seconds:.0f} s)")
-    try:
-        future.result(timeout=max(0.0, seconds - 1.0))
-    except grpc.FutureTimeoutError:
-        future.cancel()
-        raise ClusterClientError(f"proposer at {address} unreachable for {seconds:.0f}s") from None
+        seconds = self.left()
+        future = grpc.channel_ready_future(channel)
+        try:
+            future.result(timeout=min(1.0, seconds))
+            return
+        except grpc.FutureTimeoutError:
+            pass
+        if on_wait is not None:
+            on_wait(f"waiting for the proposer at {self.address} (up to {seconds:.0f} s)")
+        try:
+            future.result(timeout=max(0.0, seconds - 1.0))
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            raise ClusterClientError(
+                f"proposer at {self.address} unreachable for {self.reconnect_s:.0f}s"
+            ) from None
 
 
 def _refusal(address: str, exc: Exception, code) -> ClusterClientError:
@@ -149,7 +152,7 @@ def stream_generate(
     with open_channel(address, tls, "client", options=options) as channel:
         stub = pb_grpc.ProposerStub(channel)
         while True:
-            _ready(channel, outage.left(), address, on_wait)
+            outage.ready(channel, on_wait)
             request = pb.GenerateRequest(params=convert.params_to_pb(params), draft_len=draft_len)
             if session_id:
                 request.session_id, request.offset = session_id, len(tokens)

@@ -134,7 +134,7 @@ def _scripted(monkeypatch, script):
                 yield step
 
     monkeypatch.setattr(cc, "time", clock)
-    monkeypatch.setattr(cc, "_ready", lambda *a: None)  # no channel under the fake
+    monkeypatch.setattr(cc._Outage, "ready", lambda *a: None)  # no channel under the fake
     monkeypatch.setattr(pb_grpc, "ProposerStub", Stub)
     return requests
 
