@@ -1,7 +1,7 @@
 """Qualification receipts (DESIGN.md §7): the signed evidence that a lane reproduced the
 non-speculative oracle on its exact models, and the check that refuses a lane without one.
 
-`muser qualify --config FILE` runs the lane against plain target decode (muser.cli.qualify)
+`muser qualify --config FILE` runs the lane against plain target decode (muser_app.cli.qualify)
 and writes the receipt; `muser config check` and the verifier daemon call `require_receipt`
 before anything is served. This module loads no model: a binding holds digests of the
 checkpoint files (muser.identity, cached on disk), so a changed weight or config file voids
@@ -123,7 +123,7 @@ class Binding:
 
 @dataclass(frozen=True)
 class Evidence:
-    """What the qualification run measured (muser.cli.qualify)."""
+    """What the qualification run measured (muser_app.cli.qualify)."""
 
     prompts: int
     prompts_digest: str

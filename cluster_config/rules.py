@@ -6,12 +6,17 @@ certificates, checkpoint metadata and tokenizer files) but never loads weights.
 
 A daemon checks with its `role`: it needs its own private keys, not the other node's, which
 may live on another machine. `muser config check` without `--role` checks everything.
+
+Config imports no daemon (docs/architecture.md): what only the backends know (which target
+backends capture hidden rows, whether a device exists) comes in as `BackendChecks`, from
+the caller (`muser_app.checks.backend_checks` assembles both daemons' own).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -19,13 +24,39 @@ from cluster_config.schema import TLS_ROLES, ClusterConfig, ConfigError
 from muser.errors import MuserError
 
 Role = Literal["verifier", "proposer"]
-Rule = Callable[[ClusterConfig, frozenset[str]], None]
 NODES = ("verifier", "proposer")
 
 
-def _scope(role: Role | None) -> frozenset[str]:
-    """Whose private files to check: one node's, or every role's (client included)."""
-    return frozenset(TLS_ROLES if role is None else (role,))
+@dataclass(frozen=True)
+class BackendChecks:
+    """What only the backends know, handed to the rules by the caller."""
+
+    capture_kinds: tuple[str, ...]
+    """Target backends that return hidden rows (`lane.capture_layers` needs one)."""
+    target_device: Callable[[str], object]
+    """Raises a `MuserError` saying what is missing when the torch target's device (the
+    `verifier.device` value) is not on this machine."""
+    draft_device: Callable[[str], object]
+    """The same for the mlx draft's `proposer.device`; `ImportError` without mlx."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a rule checks against: whose private files (`"verifier" in scope`: one node's,
+    or every role's, client included) and the backends' own checks."""
+
+    roles: frozenset[str]
+    backends: BackendChecks
+
+    def __contains__(self, role: object) -> bool:
+        return role in self.roles
+
+
+Rule = Callable[[ClusterConfig, Scope], None]
+
+
+def _scope(role: Role | None, backends: BackendChecks) -> Scope:
+    return Scope(frozenset(TLS_ROLES if role is None else (role,)), backends)
 
 
 # --- addresses -----------------------------------------------------------------------------
@@ -104,7 +135,7 @@ def _wildcard_clash(fields: dict[str, str], other_fields: dict[str, str]) -> str
     return None
 
 
-def distinct_addresses(config: ClusterConfig, scope: frozenset[str]) -> None:
+def distinct_addresses(config: ClusterConfig, scope: Scope) -> None:
     """Each server its own HOST:PORT. localhost is 127.0.0.1; a wildcard host (0.0.0.0, [::])
     takes its port on every interface, so it clashes with any host on that port on the same
     machine: within a node always, across the nodes unless they are known to be apart."""
@@ -140,7 +171,7 @@ def _checkpoint_config(model_dir: Path, where: str) -> dict:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def model_directories(config: ClusterConfig, scope: frozenset[str]) -> None:
+def model_directories(config: ClusterConfig, scope: Scope) -> None:
     # Each machine needs only its own model: the proposer asks the verifier for the target's
     # identity when the files are not here (proposer_mac.daemon.ask_target_identity).
     if "verifier" in scope:
@@ -163,7 +194,7 @@ def _tokenizer(model_dir: Path, where: str) -> tuple[str, object]:
     return _hash_files(Path(model_dir), names, TOKENIZER_DOMAIN), vocab
 
 
-def shared_tokenizer(config: ClusterConfig, scope: frozenset[str]) -> None:
+def shared_tokenizer(config: ClusterConfig, scope: Scope) -> None:
     if "proposer" not in scope:  # the session-open handshake checks it again
         return
     if "verifier" not in scope and not (Path(config.verifier.target) / "config.json").is_file():
@@ -179,17 +210,17 @@ def shared_tokenizer(config: ClusterConfig, scope: frozenset[str]) -> None:
         )
 
 
-def capture_layers_exist(config: ClusterConfig, scope: frozenset[str]) -> None:
+def capture_layers_exist(config: ClusterConfig, scope: Scope) -> None:
     from muser.geometry import read_geometry
-    from verifier_gx.backends import CAPTURE_KINDS
 
     layers = config.lane.capture_layers
     if not layers:
         return
-    if config.verifier.backend not in CAPTURE_KINDS:
+    capture_kinds = scope.backends.capture_kinds
+    if config.verifier.backend not in capture_kinds:
         raise ConfigError(
             f"lane.capture_layers {layers} needs a target backend that captures hidden rows "
-            f"({', '.join(CAPTURE_KINDS)}), but verifier.backend is "
+            f"({', '.join(capture_kinds)}), but verifier.backend is "
             f"{config.verifier.backend!r}: set capture_layers = [] or change the backend"
         )
     try:
@@ -204,7 +235,7 @@ def capture_layers_exist(config: ClusterConfig, scope: frozenset[str]) -> None:
         )
 
 
-def draft_dtype_supported(config: ClusterConfig, scope: frozenset[str]) -> None:
+def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
     p = config.proposer
     if p.backend == "mlx" and p.dtype != "float32":
         raise ConfigError(
@@ -213,7 +244,7 @@ def draft_dtype_supported(config: ClusterConfig, scope: frozenset[str]) -> None:
         )
 
 
-def devices_available(config: ClusterConfig, scope: frozenset[str]) -> None:
+def devices_available(config: ClusterConfig, scope: Scope) -> None:
     """The device each node's config names exists on this machine (nothing is loaded).
 
     Only a GPU asked for by name is checked: "auto" and "cpu" always resolve."""
@@ -225,9 +256,7 @@ def devices_available(config: ClusterConfig, scope: frozenset[str]) -> None:
                 'set backend = "mlx" (Metal on a Mac) or device = "cpu"'
             )
         try:
-            from proposer_mac.backends.mlx_draft import choose_device
-
-            choose_device(p.device)
+            scope.backends.draft_device(p.device)
         except ImportError as exc:
             raise ConfigError(
                 f"proposer.device 'gpu' needs the mlx package ({exc}): `pip install -e .`"
@@ -235,15 +264,13 @@ def devices_available(config: ClusterConfig, scope: frozenset[str]) -> None:
         except MuserError as exc:
             raise ConfigError(str(exc)) from exc
     if "verifier" in scope and v.backend == "torch" and v.device != "cpu":
-        from verifier_gx.backends.torch_backend import check_device
-
         try:
-            check_device(v.device)
+            scope.backends.target_device(v.device)
         except MuserError as exc:
             raise ConfigError(str(exc)) from exc
 
 
-def cpus_available(config: ClusterConfig, scope: frozenset[str]) -> None:
+def cpus_available(config: ClusterConfig, scope: Scope) -> None:
     """The CPUs a node's config pins its daemon to are CPUs this machine lets it run on."""
     from muser.affinity import AffinityError, check
 
@@ -263,7 +290,7 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def wal_directories(config: ClusterConfig, scope: frozenset[str]) -> None:
+def wal_directories(config: ClusterConfig, scope: Scope) -> None:
     """A node's wal_dir is a directory, or a path its daemon can create one at: its nearest
     existing ancestor is a directory (a file there fails `serve` only once it starts)."""
     for role in NODES:
@@ -296,14 +323,14 @@ def _keys_match(private: Path, public: Path, role: str) -> None:
         )
 
 
-def signing_keys(config: ClusterConfig, scope: frozenset[str]) -> None:
+def signing_keys(config: ClusterConfig, scope: Scope) -> None:
     for role in NODES:
         if role in scope:
             node = getattr(config, role)
             _keys_match(node.key, node.public_key, role)
 
 
-def enrolment(config: ClusterConfig, scope: frozenset[str]) -> None:
+def enrolment(config: ClusterConfig, scope: Scope) -> None:
     from muser import keys
 
     for role, enrolled in (
@@ -354,7 +381,7 @@ def _tls_pair(config: ClusterConfig, role: str, ca) -> None:
         )
 
 
-def tls_files(config: ClusterConfig, scope: frozenset[str]) -> None:
+def tls_files(config: ClusterConfig, scope: Scope) -> None:
     from muser import tls
 
     if config.tls is None:
@@ -383,11 +410,17 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def check_rules(config: ClusterConfig, role: Role | None = None, *, receipt: bool = True) -> None:
+def check_rules(
+    config: ClusterConfig,
+    role: Role | None = None,
+    *,
+    backends: BackendChecks,
+    receipt: bool = True,
+) -> None:
     """Refuse a configuration any rule refuses; `role` limits private files to one node.
     `receipt=False` skips the lane's qualification receipt (`muser qualify` checks the rest
     before it writes one)."""
-    scope = _scope(role)
+    scope = _scope(role, backends)
     for rule in RULES:
         rule(config, scope)
     if receipt and "verifier" in scope:  # last: it digests both checkpoints (DESIGN.md §7)

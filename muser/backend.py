@@ -20,11 +20,14 @@ share its one KV, re-evaluated when sessions interleave (`muser.cursor`), and
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from muser.errors import InvalidOverrideError
 
 
 @dataclass(frozen=True)
@@ -124,3 +127,15 @@ def evaluate_batch(
     if batches(backend):
         return backend.evaluate_batch(work)  # type: ignore[attr-defined]
     return [seq.evaluate(tokens) for seq, tokens in work]
+
+
+def check_options(cls: type, kind: str, opts: dict) -> None:
+    """Refuse options a backend class does not take, listing the ones it does (both daemons'
+    loaders pass the cluster file's options through it)."""
+    params = inspect.signature(cls.__init__).parameters
+    known = sorted(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        raise InvalidOverrideError(
+            f"{kind} backend does not take option(s) {unknown}; it takes {known}"
+        )

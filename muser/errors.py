@@ -6,11 +6,7 @@ status code (STYLE.md item 7). Validation never uses `assert`.
 
 from __future__ import annotations
 
-
-class MuserError(Exception):
-    """Base of every error this project raises on purpose."""
-
-    exit_code = 3
+from wal.errors import MuserError  # the base lives in the lowest layer: storage raises it too
 
 
 class RefusedError(MuserError):

@@ -28,3 +28,11 @@ def in_background(coro: Coroutine, what: str, logger: logging.Logger = log) -> a
 
     task.add_done_callback(done)
     return task
+
+
+def shielded(coro: Coroutine) -> asyncio.Future:
+    """Run `coro` as a task the caller's cancellation does not interrupt (a transaction a
+    client that goes away mid-fsync cannot leave half applied); await the result."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return asyncio.shield(task)

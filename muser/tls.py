@@ -27,7 +27,7 @@ import datetime
 import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -41,9 +41,25 @@ from muser.keys import write_private
 if TYPE_CHECKING:
     import grpc
 
-    from cluster_config.schema import Tls
-
 Role = Literal["verifier", "proposer", "client"]
+
+
+class CertFiles(Protocol):
+    """A certificate and its private key (the config's `[tls.ROLE]`)."""
+
+    cert: Path
+    key: Path
+
+
+class Tls(Protocol):
+    """What the credentials read of the cluster file's `[tls]` section
+    (`cluster_config.schema.Tls` is one); the core names no config type."""
+
+    ca: Path
+
+    def pair(self, role: Role) -> CertFiles: ...
+
+
 LOOPBACK_NAMES = ("127.0.0.1", "::1", "localhost")
 CLIENT = "client"
 

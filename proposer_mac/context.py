@@ -51,7 +51,7 @@ class DriverContext:
         """Draft round r+1 while round r is at the verifier (lane.speculate)."""
         self.send_on_decision = send_on_decision
         """Journal and send the next round's request on the early decision of the round in
-        flight (lane.send_on_decision; `SessionRunner._send_ahead`)."""
+        flight (lane.send_on_decision; `SendAhead.send`)."""
         self.lookahead = lookahead
         """Name each round drafted ahead to the verifier before its request (lane.lookahead,
         resolved)."""

@@ -57,7 +57,7 @@ class DraftQueue:
         with self._lock:
             self._pending -= n
 
-    def submit(self, drafter: Drafter, steps: Steps) -> asyncio.Future:
+    def draft(self, drafter: Drafter, steps: Steps) -> asyncio.Future:
         """Run `steps` in the draft thread; a future of (result, seconds). The seconds are
         the wall of the group it was drafted in: what this round waited for its draft."""
         job = _Job(drafter, steps, Future())

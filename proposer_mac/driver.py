@@ -18,7 +18,9 @@ asked for again by re-sending PREPARED(r), which the verifier answers from its W
 byte. Clients see round r's tokens once the next draft is ready (at once when it was
 drafted ahead, which is most rounds).
 
-Sending on the decision (lane.send_on_decision, `_send_ahead`): the verifier tells round r's
+Drafting ahead (lane.speculate) is `proposer_mac.ahead.DraftingAhead`; sending on the
+decision (lane.send_on_decision) is `proposer_mac.send_ahead.SendAhead`; this module runs
+the loop that uses both. Sending on the decision: the verifier tells round r's
 decision before its commit and signed result, and every digest of that result but the
 signature is the proposer's own to compute (`ProposerSession.predict`), the head it chains
 to included. So once the next draft on that decision is ready, round r+1's request is built
@@ -43,44 +45,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 from muser import logs
-from muser.mt19937 import Mt19937
-from muser.records import Signed, advance, draws_for_round
-from muser.round import clip_emission
+from muser.records import Signed
 from muser.stats import LaneStats
 from muser.tasks import in_background
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac import journal
+from proposer_mac.ahead import DraftingAhead, look_ahead
 from proposer_mac.context import DriverContext
-from proposer_mac.drafting import Branch, Draft, Drafter
+from proposer_mac.drafting import Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
-from proposer_mac.session import Outcome, ProposerSession
-from proposer_mac.speculating import Speculating, drop_clones, held_guess
+from proposer_mac.send_ahead import SendAhead
+from proposer_mac.session import ProposerSession
+from proposer_mac.speculating import Speculating
 
 log = logging.getLogger("muser.proposer")
 
 QUEUE_FULL = "round_queue_full"
 """The refusal reason of a verifier whose round queue is full: re-send after a backoff."""
-
-
-def _look_ahead(stream, spec: Speculating, round_: int) -> None:
-    """Once `spec` has drafted round `round_`, name its guesses to the verifier (Lookahead
-    hints, `Speculating.to_name`): it may evaluate the one that held before its request."""
-
-    def send(future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            for guess in spec.to_name(future.result()[0]):
-                drafts = list(guess.proposal.drafts)
-                in_background(
-                    stream.look_ahead(round_, list(guess.emitted), drafts), "a lookahead", log
-                )
-
-    spec.future.add_done_callback(send)
 
 
 class SessionRunner:
@@ -105,8 +90,10 @@ class SessionRunner:
         """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
         self.cancelled = False
         """Set by `cancel`: the session ends after the round in flight."""
-        self._sending: asyncio.Future | None = None
-        """Round r + 1 going out on round r's early decision (`_send_ahead`)."""
+        self.ahead = DraftingAhead(session, drafter, core, self.stats, self._start_draft)
+        """The next round drafted while this one is at the verifier (proposer_mac.ahead)."""
+        self.send_ahead = SendAhead(session, core, self.stats, self.ahead)
+        """The next request sent on this round's decision (proposer_mac.send_ahead)."""
 
     def start(self) -> None:
         self.task = asyncio.create_task(
@@ -149,8 +136,8 @@ class SessionRunner:
             self.error = exc.with_traceback(None)  # its frames would keep the stream alive
             await self._fail(loop, exc)
         finally:
-            if self._sending is not None:
-                self._sending.cancel()  # a failed session sends nothing more ahead
+            if self.send_ahead.sending is not None:
+                self.send_ahead.sending.cancel()  # a failed session sends nothing more ahead
             if self.owns_draft_kv:  # in the draft thread: after any speculation still running
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self.core.draft_pool, self.drafter.cursor.backend.reset)
@@ -161,215 +148,7 @@ class SessionRunner:
         s = self.session
         depth = s.width.choose(s.params.max_tokens - len(s.emitted))
         steps = self.drafter.draft_steps(list(s.transcript), s.state, depth)
-        return self.core.drafts.submit(self.drafter, steps)
-
-    def _start_speculation(
-        self, proposal: Draft, after: tuple[list[int], int, Mt19937] | None = None
-    ) -> Speculating | None:
-        """Draft the round after this one, guessing it is fully accepted (see drafting.py),
-        while this one is at the verifier; greedy with `branches`, on every outcome the
-        draft can guess. None when this round ends the session anyway. `after`: this round
-        was sent ahead, and the session will stand at (transcript, tokens emitted, MT
-        state) when it starts (default: where the session stands)."""
-        s = self.session
-        transcript, produced, state = after or (s.transcript, len(s.emitted), s.state)
-        remaining = s.params.max_tokens - produced - len(proposal.drafts) - 1
-        if not self.core.speculate or not proposal.drafts:
-            return None
-        if self.core.branches > 0 and self.drafter.can_branch and self.core.drafts.pending == 0:
-            # branches cost the draft thread ~1.7x a guess: only when nothing else waits
-            # for it (many sessions keep it busy; there a branch job delays their drafts)
-            return self._start_branches(proposal, transcript, produced)
-        if remaining < 1:
-            return None
-        depth = s.width.peek(len(proposal.drafts), remaining)
-        stop, guess = threading.Event(), []
-        steps = self.drafter.speculate_steps(
-            list(transcript), state, proposal, depth, s.params.stop_tokens, stop, guess
-        )
-        future = self.core.drafts.submit(self.drafter, steps)
-        return Speculating(future, stop, proposal.drafts, guess)
-
-    def _start_branches(
-        self, proposal: Draft, transcript: list[int], produced: int
-    ) -> Speculating | None:
-        """Branches: the outcomes "rejected at draft k" for the first `core.branches` k,
-        and full acceptance. Outcome k emits k + 1 tokens; one that reaches max_tokens ends
-        the session, and one past the branches is left to the decision (None: not drafted)."""
-        s, depth = self.session, len(proposal.drafts)
-        left = s.params.max_tokens - produced
-        depths = [
-            s.width.peek(depth, left - k - 1, k)
-            if left - k - 1 >= 1 and (k < self.core.branches or k == depth)
-            else None
-            for k in range(depth + 1)
-        ]
-        if all(d is None for d in depths):
-            return None
-        stop, guesses, chosen = threading.Event(), [], []
-        steps = self.drafter.branch_steps(
-            list(transcript), proposal, depths, s.params.stop_tokens, stop, guesses, chosen
-        )
-        future = self.core.drafts.submit(self.drafter, steps)
-        return Speculating(future, stop, proposal.drafts, branches=guesses, chosen=chosen)
-
-    def _follow_decision(
-        self, spec: Speculating | None, current: Draft, d: pb.Decision
-    ) -> Speculating | None:
-        """The verifier decided the round in flight (`current`'s) and said how, before its
-        commit and signed result: unless the speculation already drafts on that outcome, stop
-        it and draft the next round on the decision now. A hint only decides when the next
-        draft is made; the signed result decides whether it is used (`_next_draft`)."""
-        s = self.session
-        depth = len(current.drafts)
-        if not self.core.speculate or depth == 0 or d.accepted > depth:
-            return spec
-        emitted = [*current.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
-        if spec is not None and spec.drafts_on(emitted):
-            spec.choose(emitted)
-            return spec  # the guess was right (or this decision came before): keep drafting
-        clip = clip_emission(emitted, len(s.emitted), s.params.max_tokens, s.params.stop_tokens)
-        if clip.done:
-            return spec  # the session ends with this round: nothing more to draft
-        remaining = s.params.max_tokens - len(s.emitted) - len(clip.tokens)
-        next_depth = s.width.peek(depth, remaining, d.accepted)
-        draws = draws_for_round(depth, d.accepted, s.params.greedy, len(emitted))
-        steps = self.drafter.follow_steps(
-            list(s.transcript), current, emitted, advance(s.state, draws), next_depth
-        )
-        if spec is not None:
-            spec.drop()
-        self.stats.decisions_followed += 1
-        future = self.core.drafts.submit(self.drafter, steps)
-        return Speculating(future, threading.Event(), emitted[:-1], emitted)
-
-    async def _next_draft(
-        self, speculation: Speculating | None, tokens: list[int]
-    ) -> tuple[Draft, float]:
-        """The next round's draft and the seconds it kept the round waiting after its result:
-        the one drafted ahead (on a guess, or on the verifier's decision) when it drafted on
-        what the round emitted, else a new one."""
-        if speculation is not None:
-            if not speculation.may_draft_on(tokens):
-                speculation.stop.set()  # not what it drafted on: stop between two forwards
-            elif speculation.drafts_on(tokens):
-                speculation.choose(tokens)
-            s = self.session
-            depth = s.width.choose(s.params.max_tokens - len(s.emitted))
-            taken = await self._take(speculation, tokens, depth)
-            if taken is not None:
-                self._hit(taken)
-                return taken.proposal, taken.waited
-        return await self._start_draft()
-
-    def _hit(self, taken: _Taken) -> None:
-        """A draft made ahead was used."""
-        self.stats.speculation_hits += 1
-        self.stats.branch_hits += taken.branch_hit
-
-    async def _take(
-        self, speculation: Speculating, tokens: list[int], depth: int | None, miss: bool = True
-    ) -> _Taken | None:
-        """Wait for `speculation`'s job; when it drafted `depth` tokens (None: any number) on
-        a round that emitted `tokens`, adopt that guess and return it (the caller counts the
-        hit once the draft is used, `_hit`). Otherwise None, its clones dropped (kept, with
-        the job not counted, when `miss` is False: the caller gives the job to `_next_draft`
-        later)."""
-        t0, ready = time.perf_counter(), speculation.future.done()
-        spec, seconds = await speculation.future
-        held = held_guess(spec, tokens, depth)
-        if held is None and not miss:
-            return None
-        self.stats.speculation_s += seconds
-        self.stats.speculated += 1
-        drop_clones(spec, keep=held)  # the clones whose guesses failed
-        if held is None:
-            return None
-        branch_hit = False
-        if isinstance(held, Branch):
-            self.drafter.adopt_branch(held)
-            branch_hit = len(tokens) <= len(speculation.drafts)  # a draft was rejected
-            held = held.speculation
-        else:
-            self.drafter.adopt()
-        return _Taken(held.proposal, 0.0 if ready else time.perf_counter() - t0, branch_hit)
-
-    async def _next_in_flight(
-        self, checked: _Checked, stream: RoundStream | None
-    ) -> tuple[Literal["none", "held", "void"], _Ahead | None]:
-        """After a round's result is checked and applied: did the next request go ahead, on
-        its decision (`_send_ahead`, whose return comes second) or before a restart? "held":
-        it expects the head the result carries, so the round's COMMITTED is made durable
-        here and that request is in flight. "void": it expects another head; the stream
-        that carries its refusal is closed. "none": nothing went ahead."""
-        s = self.session
-        try:  # a failed draft fails the session: `_fail` makes this round durable
-            went = await self._sending if self._sending is not None else None
-        finally:
-            self._sending = None
-        if s.ahead is None:
-            return "none", went
-        ahead, s.ahead = s.ahead, None
-        if journal.next_in_flight(ahead, checked.signed) is not None:  # as replay decides it
-            await self._commit(checked)  # its PREPARED is durable already
-            s.prepared = ahead
-            if went is not None:
-                self._hit(went.taken)
-            return "held", went
-        # the signed result is not what its decision said: that request is void (its head is
-        # not the verifier's) and the stream carries its refusal
-        log.warning(
-            "session %s round %d: the result differs from its early decision; round %d is "
-            "drafted again", s.session_id.hex()[:8], s.next_round - 1, s.next_round,
-        )  # fmt: skip
-        self.stats.ahead_void += 1
-        if stream is not None:
-            stream.close()
-        if went is not None and went.speculation is not None:
-            went.speculation.drop()  # drafted on the void request
-        return "void", went
-
-    async def _send_ahead(
-        self, stream: RoundStream, speculation: Speculating, outcome: Outcome
-    ) -> _Ahead | None:
-        """Round r's early decision is in: once the next draft on that outcome is ready,
-        build round r + 1's request on the head r's result will carry if it says the same
-        (`ProposerSession.predict`), journal its PREPARED and send it, before r's signed
-        result (lane.send_on_decision). The verifier takes it after r; a result that
-        says otherwise voids it (the verifier refuses its head, nothing written) and the
-        driver drafts r + 1 again. None when nothing went ahead."""
-        s = self.session
-        if not speculation.drafts_on(outcome.emitted):
-            return None
-        max_tokens, stops = s.params.max_tokens, s.params.stop_tokens
-        clip = clip_emission(outcome.emitted, outcome.produced, max_tokens, stops)
-        if clip.done:
-            return None
-        taken = await self._take(speculation, outcome.emitted, None, miss=False)
-        if taken is None:
-            return None
-        proposal = taken.proposal
-        remaining = max_tokens - outcome.produced - len(clip.tokens)
-        decode_len = 1 if proposal.drafts else s.width.decode_len(remaining)
-        signed = s.build_request(
-            proposal.drafts, proposal.q_rows, self.core.private, decode_len, after=outcome
-        )
-        await self.core.log.append_async(
-            journal.encode_prepared(s.session_id, outcome.round + 1, signed)
-        )
-        s.ahead = signed
-        try:
-            sent = await stream.send(signed)
-        except (LinkDown, RoundRefused):
-            sent = None  # sent again on the stream the driver goes on with
-        self.stats.sent_ahead += 1
-        # the round after it is drafted ahead from here, as after any send: on the
-        # transcript this decision leaves, while r's result is checked and committed
-        after = (outcome.transcript, outcome.produced + len(clip.tokens), outcome.state)
-        speculation = self._start_speculation(proposal, after)
-        if speculation is not None and self.core.lookahead:
-            _look_ahead(stream, speculation, outcome.round + 2)
-        return _Ahead(signed, taken, stream if sent is not None else None, sent, speculation)
+        return self.core.drafts.draft(self.drafter, steps)
 
     async def _drive(self, loop: _Loop) -> None:
         s = self.session
@@ -483,7 +262,10 @@ class SessionRunner:
             result, signed, len(tokens), (t0, t1, loop.start), raw, len(s.emitted)
         )
         loop.ack_due = result.round
-        ahead, went = await self._next_in_flight(loop.checked, loop.stream)
+        checked = loop.checked
+        ahead, went = await self.send_ahead.in_flight(
+            checked.signed, lambda: self._commit(checked), loop.stream
+        )
         if ahead == "held":  # COMMITTED is durable, and the request ahead in flight
             loop.checked = loop.speculation = loop.to_speculate = loop.in_flight = None
             if went is not None:  # (None: recovered, with no draft to go on from)
@@ -493,7 +275,7 @@ class SessionRunner:
         if ahead == "void":  # drafted again, on a new stream (the old one is closed)
             loop.stream, loop.speculation = None, None
         if not s.done and not self.cancelled:
-            loop.drafting = asyncio.ensure_future(self._next_draft(loop.speculation, tokens))
+            loop.drafting = asyncio.ensure_future(self.ahead.next_draft(loop.speculation, tokens))
         elif loop.speculation is not None:
             loop.speculation.drop()
         loop.speculation = loop.in_flight = None
@@ -520,8 +302,8 @@ class SessionRunner:
         stream and, once FAILED is durable, its session on the verifier (a slot of
         limits.max_sessions there). Best effort: the client has its error already."""
         s, sid = self.session, self.session.session_id.hex()[:8]
-        if self._sending is not None:  # its PREPARED must not land after FAILED
-            sending, self._sending = self._sending, None
+        if self.send_ahead.sending is not None:  # its PREPARED must not land after FAILED
+            sending, self.send_ahead.sending = self.send_ahead.sending, None
             await asyncio.wait([sending])
             if not sending.cancelled() and sending.exception() is not None:
                 log.info("session %s: the request ahead failed too: %s", sid, sending.exception())
@@ -549,10 +331,10 @@ class SessionRunner:
         would compete with the send), then the ack of the round before goes out."""
         s, stream = self.session, loop.stream
         if loop.to_speculate is not None:
-            loop.speculation = self._start_speculation(loop.to_speculate)
+            loop.speculation = self.ahead.start(loop.to_speculate)
             loop.to_speculate = None
             if loop.speculation is not None and stream is not None and self.core.lookahead:
-                _look_ahead(stream, loop.speculation, s.next_round + 1)
+                look_ahead(stream, loop.speculation, s.next_round + 1)
         if loop.ack_due is not None and stream is not None:
             in_background(
                 stream.ack(loop.ack_due), "an ack", log
@@ -560,32 +342,30 @@ class SessionRunner:
             loop.ack_due = None
 
     def _decided(self, loop: _Loop, d: pb.Decision) -> None:
-        """The verifier's early decision on the round in flight: follow it (`_follow_decision`),
-        and send the next request ahead when a draft on it was ready (`_send_ahead`)."""
+        """The verifier's early decision on the round in flight: follow it (`DraftingAhead.follow`),
+        and send the next request ahead when a draft on it was ready (`proposer_mac.send_ahead`)."""
         s, core, stream, in_flight = self.session, self.core, loop.stream, loop.in_flight
         if in_flight is None or loop.to_speculate is not None:
             return
         ahead = loop.speculation
-        speculation = loop.speculation = self._follow_decision(ahead, in_flight, d)
+        speculation = loop.speculation = self.ahead.follow(ahead, in_flight, d)
         if speculation is None:
             return
         emitted = [*in_flight.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
         speculation.told[:] = emitted
         if speculation is not ahead and stream is not None and core.lookahead:
-            _look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
+            look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
         if (
             core.send_on_decision
             and speculation is ahead  # drafted before the decision came,
             and speculation.future.done()  # and ready (module note)
-            and self._sending is None
+            and self.send_ahead.sending is None
             and stream is not None
             and not self.cancelled  # (a request already ahead still goes)
         ):
             outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier)
             if outcome is not None:  # (now: the result may come before the task runs)
-                self._sending = asyncio.ensure_future(
-                    self._send_ahead(stream, speculation, outcome)
-                )
+                self.send_ahead.start(stream, speculation, outcome)
 
     async def _append(self, checked: _Checked | None, record: bytes) -> None:
         """Append `record`, behind the last result's COMMITTED when one is still unwritten."""
@@ -615,30 +395,6 @@ class SessionRunner:
 
 
 @dataclass(frozen=True)
-class _Taken:
-    """A draft made ahead, adopted (`SessionRunner._take`)."""
-
-    proposal: Draft
-    waited: float
-    """Seconds waited for it."""
-    branch_hit: bool
-    """A branch on a rejected draft drafted it."""
-
-
-@dataclass(frozen=True)
-class _Ahead:
-    """Round r + 1's request, journaled on round r's early decision (`_send_ahead`)."""
-
-    signed: Signed
-    taken: _Taken
-    stream: RoundStream | None
-    """The stream it went out on (None: journaled, not sent)."""
-    sent: pb.RoundRequest | None
-    speculation: Speculating | None
-    """The round after it, drafting ahead since it was sent."""
-
-
-@dataclass(frozen=True)
 class _Checked:
     """A round's signed result, checked and applied in memory, whose COMMITTED is still to
     be written (`SessionRunner._commit`)."""
@@ -662,7 +418,7 @@ class _Loop:
     """When the session began, on `time.perf_counter` (less the wall of any run before)."""
     stream: RoundStream | None = None
     drafting: asyncio.Future | None = None
-    """The next round's draft, begun after the last result (`_next_draft`)."""
+    """The next round's draft, begun after the last result (`DraftingAhead.next_draft`)."""
     speculation: Speculating | None = None
     """The round after the one in flight, drafting ahead while it is at the verifier."""
     to_speculate: Draft | None = None

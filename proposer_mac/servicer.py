@@ -17,7 +17,7 @@ from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from proposer_mac.link import RoundRefused
 
 if TYPE_CHECKING:
-    from proposer_mac.daemon import ProposerCore
+    from proposer_mac.core import ProposerCore
 
 
 def refusal_reason(exc: MuserError) -> str:

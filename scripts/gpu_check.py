@@ -14,12 +14,12 @@ Three parts, each printed as a markdown table and written to one JSON receipt
 (default `bench-receipts/gpu-check-<time>.json`; the timing samples are hashed, as `muser
 bench` does):
 
-1. **contract** — the torch target backend (`verifier_gx.backends.torch_backend`) on the
+1. **contract** — the torch target backend (`muser_torch.backend`) on the
    device: float64 host rows, softmax sums to 1, rows equal a float64 recomputation of the
    same checkpoint on CPU within the tolerance (largest |Δ log p|), incremental evaluation
    equals one shot, rewind-regenerate gives the same rows, refused rollbacks and
    out-of-vocabulary tokens change nothing.
-2. **greedy exactness** — plain decode (`verifier_gx.plain`, the oracle of DESIGN.md §7)
+2. **greedy exactness** — plain decode (`muser_app.lanes.plain`, the oracle of DESIGN.md §7)
    of a few natural prompts on the device against the same decode on CPU (float32, the
    project's qualified oracle): every token must be equal. Where float32 GPU kernels make
    one differ, the table says where and how close the two candidates were in each row (the
@@ -93,7 +93,7 @@ def resolve_device(name: str) -> str:
     """The torch device to check; RefusedError (exit 2) when this machine cannot run it."""
     import torch
 
-    from verifier_gx.backends.torch_backend import check_device
+    from muser_torch.backend import check_device
 
     try:
         return check_device(name)
@@ -217,7 +217,7 @@ def _rollback(backend, tokens: list[int], tolerance: float) -> Check:
 def exactness(device_backend, oracle, prompts: list[list[int]], tokens: int) -> list[dict]:
     """Greedy plain decode on the device vs on the CPU oracle, prompt by prompt."""
     from muser.sampling import SamplingParams
-    from verifier_gx.plain import run_plain
+    from muser_app.lanes.plain import run_plain
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
     out = []
@@ -374,20 +374,20 @@ def environment(device: str) -> dict:
 def load_prompts(target: Path, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from muser.cli._common import encode_prompt
-    from muser.fixtures import natural_prompts
+    from muser_app.cli._common import encode_prompt
+    from muser_app.fixtures import natural_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     return [encode_prompt(tokenizer, text) for text in natural_prompts(n)]
 
 
 def run(args: argparse.Namespace) -> int:
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_torch.backend import TorchBackend
 
     device = resolve_device(args.device)  # before anything slow: exit 2 at once without CUDA
     target = args.target
     if target is None:
-        from muser.fixtures import build_fixtures
+        from muser_app.fixtures import build_fixtures
 
         target = build_fixtures(progress=sys.stderr.isatty()).natural.target
     started = time.time()

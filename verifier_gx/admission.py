@@ -38,7 +38,8 @@ from muser.records import (
 from muser.sampling import SamplingParams
 from muser.verify import replay_drafts
 from verifier_gx.fragments import FragmentStage
-from verifier_gx.journal import SessionState, short
+from verifier_gx.journal import short
+from verifier_gx.replay import SessionState
 
 
 def check_identities(

@@ -59,7 +59,7 @@ class RoundBatcher(Generic[T, R]):
         """Rounds waiting (the batch computing now not included)."""
         return len(self._waiting)
 
-    async def submit(self, item: T) -> R:
+    async def enqueue(self, item: T) -> R:
         """Queue `item` and wait for its result; refuses when the queue is full."""
         if len(self._waiting) >= self.max_queue:
             raise RoundQueueFullError(

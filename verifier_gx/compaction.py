@@ -9,13 +9,13 @@ SNAPSHOT (canonical, domain "verifier-journal-snapshot"): the replayed state aft
         u32s the tokens after the prompt, blob the MT19937 state before the next round,
         u64 next round, u64 tokens handed to clients, u32 done (0 or 1),
         u32 committed rounds, each: u64 round, raw 32 request digest, blob Signed(RoundResult)
-    u32 closed sessions, each (journal.SessionSummary):
+    u32 closed sessions, each (replay.SessionSummary):
         raw 16 session id, u64 epoch, u64 rounds, u64 tokens handed to clients, u32 done,
         raw 32 genesis head, raw 32 head
 
 An open session keeps every round it committed: a retry of any of them is answered byte for
 byte, and another request at one is an equivocation. A closed session keeps its summary,
-which is all `journal.Replay` holds of it. `replay_from_snapshot` checks what replaying the
+which is all `replay.Replay` holds of it. `replay_from_snapshot` checks what replaying the
 records would have checked of that state: the kept rounds run consecutively up to the
 session's next round, each chains from the one before it (from the genesis head when round
 0 is kept) and is signed by the key it names (given keys), and the last one's head, MT
@@ -51,7 +51,8 @@ from muser.records import (
     tokens_bytes,
     transcript_digest,
 )
-from verifier_gx.journal import Replay, SessionState, SessionSummary, check_signature, decode
+from verifier_gx.journal import decode
+from verifier_gx.replay import Replay, SessionState, SessionSummary, check_signature
 from wal.base import Snapshot
 
 log = logging.getLogger("muser.verifier")

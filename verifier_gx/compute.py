@@ -23,8 +23,8 @@ from muser.verify import RoundDecision, judge_round
 from verifier_gx.admission import capture_fragment
 from verifier_gx.decode import decode_batch, decode_decision
 from verifier_gx.executor import witness_each
-from verifier_gx.journal import SessionState
 from verifier_gx.kvpool import KvPool
+from verifier_gx.replay import SessionState
 
 log = logging.getLogger("muser.verifier")
 

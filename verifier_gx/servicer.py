@@ -376,7 +376,7 @@ def metrics_view(manager: SessionManager) -> DaemonView:
         now=manager.stats.clock(),
         retries=manager.stats.retries,
         verifier=manager.stats,
-        round_queue=manager.batcher.depth,
+        round_queue=manager.rounds.batcher.depth,
         kv_sessions=len(manager.kv),
     )
 
@@ -412,7 +412,7 @@ def status_json(manager: SessionManager) -> dict:
             "mean_batch": s.mean_batch,
             "batch_sizes": {str(k): n for k, n in sorted(s.batch_sizes.items())},
             "max_batch": manager.limits.max_batch,
-            "queue_depth": manager.batcher.depth,
+            "queue_depth": manager.rounds.batcher.depth,
             "queue_depth_max": s.queue_depth_max,
             "round_queue": manager.limits.round_queue,
             "queue_full": s.queue_full,

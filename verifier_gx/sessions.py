@@ -1,4 +1,5 @@
-"""Verifier sessions: recovery from the commit log and the durable round transaction.
+"""Verifier sessions: recovery from the commit log, open/resume, fencing, idle expiry and
+fragment intake; the durable round transaction over them is `verifier_gx.rounds`.
 
 One round request, in the order of DESIGN.md §5 (every refusal writes nothing and leaves the
 session unchanged):
@@ -21,7 +22,7 @@ session unchanged):
 
 Sessions are serialised by a per-session asyncio lock; each transaction runs as a shielded
 task, so a client that goes away mid-fsync cannot leave the log ahead of the state.
-Recovery replays the log through `journal.Replay`; the target KV is rebuilt lazily (a
+Recovery replays the log through `replay.Replay`; the target KV is rebuilt lazily (a
 session's executor re-evaluates its transcript on first use, as after a KV eviction).
 
 An open may carry a resume point: the last round the proposer committed, as an enrolled
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -45,53 +46,42 @@ from cluster_config.schema import Limits
 from muser import keys
 from muser.backend import ModelBackend, ModelIdentity
 from muser.errors import (
-    EquivocationError,
     FragmentLimitError,
     FragmentMismatchError,
     FutureEpochError,
     GenesisMismatchError,
-    HeadMismatchError,
     JournalError,
     MissingFragmentsError,
-    RoundOutOfOrderError,
     SessionClosedError,
     SessionConflictError,
-    SessionFinishedError,
     SessionLimitError,
     StaleEpochError,
     UnenrolledKeyError,
     UnknownSessionError,
 )
 from muser.records import (
-    RoundRequest,
     RoundResult,
     SessionOpen,
     Signed,
     close_message,
-    request_of,
-    sha256,
     tokens_from_bytes,
 )
 from muser.stats import VerifierStats
-from muser.tasks import in_background
+from muser.tasks import in_background, shielded
 from muser.verify import RoundDecision
-from verifier_gx import journal
+from verifier_gx import journal, replay
 from verifier_gx.admission import (
-    check_closure,
-    check_decode,
-    check_drafts,
     check_identities,
     check_params,
     check_room,
     read_prompt,
 )
-from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
 from verifier_gx.compaction import LogCompactor, replay_log
-from verifier_gx.compute import RoundComputer, RoundJob
 from verifier_gx.fragments import OVERHEAD, FragmentStage
-from verifier_gx.journal import SessionState, short
+from verifier_gx.journal import short
 from verifier_gx.kvpool import KvPool
-from wal.errors import WalError
+from verifier_gx.replay import SessionState
+from verifier_gx.rounds import RoundOutcome, Rounds
 
 log = logging.getLogger("muser.verifier")
 
@@ -120,24 +110,6 @@ class OpenReply:
     resumed: bool = False
 
 
-@dataclass(frozen=True)
-class RoundOutcome:
-    signed: bytes
-    """Signed(RoundResult).encode(), byte for byte what the commit log holds."""
-    result: RoundResult
-    captures: list[tuple[bytes, bytes]]
-    """(digest, data) capture fragments, sent before the result."""
-    timings: dict[str, float]
-    retry: bool
-
-
-def _background(coro: Coroutine) -> asyncio.Future:
-    """Run `coro` as a task the caller's cancellation does not interrupt."""
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return asyncio.shield(task)
-
-
 class SessionManager:
     def __init__(
         self,
@@ -158,11 +130,6 @@ class SessionManager:
         up since the last snapshot, checked as sessions close (verifier.commit_compact_bytes;
         0 = never)."""
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
-        self.max_decode_len = max_decode_len
-        """The most tokens one draftless round may ask this verifier to decode (lane.decode_len)."""
-        self.max_drafts = max_drafts
-        """The most drafts one round may carry (lane.draft_len_max): a round's witness rows
-        are (D + 1) x vocabulary floats, so D is bounded by the lane, not by the session."""
         self.qualified_draft = qualified_draft
         """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
         opened with another draft are refused (None: not checked, e.g. unqualified tests)."""
@@ -176,16 +143,19 @@ class SessionManager:
         them is taken."""
         self.fragments = FragmentStage()
         self._locks: dict[bytes, asyncio.Lock] = {}
-        self._looked_ahead: dict[bytes, int] = {}
-        """Per session, the round its last lookahead ran for (one forward per round)."""
         self._open_lock = asyncio.Lock()
-        self.computer = RoundComputer(backend, self.kv, signing_key, self.stats, clock)
-        self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
-            self._decide_and_commit,
+        self.rounds = Rounds(
+            self,
+            log=log,
+            backend=backend,
+            kv=self.kv,
+            signing_key=signing_key,
+            stats=self.stats,
+            clock=clock,
             max_batch=limits.max_batch,
             max_queue=limits.round_queue,
-            on_batch=self.stats.observe_batch,
-            on_queue=self.stats.observe_queue,
+            max_decode_len=max_decode_len,
+            max_drafts=max_drafts,
         )
         self.replay = self._recover()
         self.compactor = LogCompactor(log, compact_bytes)
@@ -198,7 +168,7 @@ class SessionManager:
 
     # ---- recovery -------------------------------------------------------------------------
 
-    def _recover(self) -> journal.Replay:
+    def _recover(self) -> replay.Replay:
         """The latest snapshot (verifier_gx.compaction), then every record after it."""
         try:
             return replay_log(self.log, self.verifier_keys)[0]
@@ -229,15 +199,20 @@ class SessionManager:
             raise SessionClosedError(f"session {session_id.hex()} was closed")
         raise UnknownSessionError(f"no session {session_id.hex()} is open on this verifier")
 
-    def _lock(self, session_id: bytes) -> asyncio.Lock:
+    def lock(self, session_id: bytes) -> asyncio.Lock:
+        """The session's lock: its opens, closes, rounds and lookaheads take turns."""
         return self._locks.setdefault(session_id, asyncio.Lock())
 
-    def _others_in_flight(self, session_id: bytes) -> bool:
+    def mark_used(self, session_id: bytes) -> None:
+        """The session was opened, attached to or sent a round now (`close_idle`)."""
+        self._seen[session_id] = self.clock()
+
+    def others_in_flight(self, session_id: bytes) -> bool:
         """Whether another session holds its lock: a round of it admitted, queued (a round
         waits in the batcher under its session's lock) or computing, or its lookahead."""
         return any(lock.locked() for sid, lock in self._locks.items() if sid != session_id)
 
-    def _proposer_key(self, key_id: str) -> Ed25519PublicKey:
+    def proposer_key(self, key_id: str) -> Ed25519PublicKey:
         public = self.proposer_keys.get(key_id)
         if public is None:
             raise UnenrolledKeyError(
@@ -261,18 +236,18 @@ class SessionManager:
     def attach(self, session_id: bytes, epoch: int) -> SessionState:
         state = self.state(session_id)
         self.check_epoch(state, epoch)
-        self._seen[session_id] = self.clock()
+        self.mark_used(session_id)
         return state
 
     # ---- open / close ---------------------------------------------------------------------
 
     async def open_session(self, req: OpenRequest) -> OpenReply:
-        return await _background(self._open(req))
+        return await shielded(self._open(req))
 
     async def _open(self, req: OpenRequest) -> OpenReply:
         o = req.open
         async with self._open_lock:
-            public = self._proposer_key(o.proposer_key_id)
+            public = self.proposer_key(o.proposer_key_id)
             message = o.signed_message(req.epoch, req.resume)
             keys.verify(public, message, req.signature, "session open")
             check_identities(o, self.target, self.qualified_draft)
@@ -290,7 +265,7 @@ class SessionManager:
                 )
             sid = o.session_id
             if sid in self.replay.sessions:
-                async with self._lock(sid):
+                async with self.lock(sid):
                     state = self.replay.sessions.get(sid)  # closed while we waited?
                     if state is not None:
                         return await self._reopen(state, req)
@@ -322,7 +297,7 @@ class SessionManager:
         o, fragments = req.open, dict(req.fragments)
         prompt = read_prompt(o, fragments, self.fragments, self.target.vocab_size)
         check_room(len(prompt), o.params, self.backend.geometry.context_length)
-        point = journal.resume_point(o, req.epoch, req.resume, self.verifier_keys)
+        point = replay.resume_point(o, req.epoch, req.resume, self.verifier_keys)
         named = [*req.resume_transcript, point.post_state_digest]
         held = {d: fragments.get(d) or self.fragments.get(d) for d in named}
         missing = [d for d, data in held.items() if data is None]
@@ -352,7 +327,7 @@ class SessionManager:
             held[point.post_state_digest],
             tuple(transcript[len(prompt) :]),
         )
-        journal.SessionState.resumed(entry, self.verifier_keys)  # raises what does not fit
+        replay.SessionState.resumed(entry, self.verifier_keys)  # raises what does not fit
         return entry
 
     async def _resume(self, entry: journal.ResumeEntry) -> OpenReply:
@@ -395,7 +370,7 @@ class SessionManager:
 
     def _reply(self, state: SessionState, resumed: bool = False) -> OpenReply:
         """The answer to an open (new, again or resumed): the session is in use."""
-        self._seen[state.session_id] = self.clock()
+        self.mark_used(state.session_id)
         return OpenReply(
             state.session_id,
             state.open.genesis_head(),
@@ -409,16 +384,16 @@ class SessionManager:
     async def close_session(self, session_id: bytes, epoch: int, signature: bytes) -> None:
         if session_id in self.replay.closed:
             return  # closing twice is a no-op
-        await _background(self._close(session_id, epoch, signature))
+        await shielded(self._close(session_id, epoch, signature))
 
     async def _close(self, session_id: bytes, epoch: int, signature: bytes) -> None:
         self.state(session_id)  # an unknown session is refused before any wait
-        async with self._lock(session_id):
+        async with self.lock(session_id):
             if session_id in self.replay.closed:
                 return  # closed while we waited: as closing twice
             # read under the lock: a resume while we waited replaces the state (new epoch)
             state = self.state(session_id)
-            public = self._proposer_key(state.open.proposer_key_id)
+            public = self.proposer_key(state.open.proposer_key_id)
             keys.verify(public, close_message(session_id, epoch), signature, "close")
             self.check_epoch(state, epoch)
             await self._journal_close(session_id)
@@ -432,7 +407,7 @@ class SessionManager:
         self.fragments.drop_session(session_id)
         self.kv.drop(session_id)
         self._locks.pop(session_id, None)
-        self._looked_ahead.pop(session_id, None)
+        self.rounds.forget(session_id)
         self._seen.pop(session_id, None)
 
     def _in_progress(self, session_id: bytes) -> bool:
@@ -451,17 +426,17 @@ class SessionManager:
             for sid, seen in self._seen.items()
             if idle_s and self.clock() - seen >= idle_s and not self._in_progress(sid)
         ]
-        closed = [sid for sid in stale if await _background(self._close_if_idle(sid, idle_s))]
+        closed = [sid for sid in stale if await shielded(self._close_if_idle(sid, idle_s))]
         if closed:
             in_background(self.compactor.maybe_compact(), "commit log compaction", log)
         return closed
 
     async def _close_if_idle(self, sid: bytes, idle_s: float) -> bool:
-        """Close `sid` if it is still idle once its lock is free. Run shielded (`_background`):
+        """Close `sid` if it is still idle once its lock is free. Run shielded (`shielded`):
         a cancelled sweep must not leave a CLOSE durable and unapplied, with the lock free."""
         if sid not in self.replay.sessions:
             return False  # closed meanwhile (its lock is gone: do not make another)
-        async with self._lock(sid):
+        async with self.lock(sid):
             seen = self._seen.get(sid)
             if seen is None or self.clock() - seen < idle_s:
                 return False  # closed or used while we waited
@@ -503,145 +478,16 @@ class SessionManager:
     def ack(self, session_id: bytes, round_: int) -> int:
         return self.fragments.release(session_id, round_)
 
-    # ---- the round transaction ------------------------------------------------------------
+    # ---- the round transaction (verifier_gx.rounds) ---------------------------------------
 
     async def run_round(
         self, signed: Signed, on_decided: Callable[[RoundDecision], None] | None = None
     ) -> RoundOutcome:
-        """Admit, compute, commit and sign one round (DESIGN.md §5). `on_decided` hears the
-        decision from the worker thread as soon as it is made, before the commit."""
-        return await _background(self._round(signed, on_decided))
-
-    async def _round(self, signed: Signed, on_decided=None) -> RoundOutcome:
-        request = request_of(signed)
-        digest = sha256(signed.body)
-        sid = request.session_id
-        self.state(sid)
-        async with self._lock(sid):
-            state = self.state(sid)  # closed while we waited?
-            if request.proposer_key_id != state.open.proposer_key_id:
-                raise UnenrolledKeyError(
-                    f"request signed by key {request.proposer_key_id!r}; session "
-                    f"{short(sid)} was opened by key {state.open.proposer_key_id!r}"
-                )
-            public = self._proposer_key(request.proposer_key_id)
-            keys.verify(public, signed.body, signed.signature, f"round {request.round} request")
-            self.check_epoch(state, request.epoch)
-            self._seen[sid] = self.clock()  # its proposer's: the session is in use
-            stored = state.committed.get(request.round)
-            if stored is not None:
-                return self._retry(state, request, digest, stored)
-            if request.round != state.next_round:
-                raise RoundOutOfOrderError(
-                    f"round {request.round} received; session {short(sid)} expects round "
-                    f"{state.next_round}"
-                )
-            if request.expected_head != state.head:
-                raise HeadMismatchError(
-                    f"expected head {request.expected_head.hex()} received; session "
-                    f"{short(sid)} is at head {state.head.hex()}"
-                )
-            if state.done:
-                raise SessionFinishedError(
-                    f"session {short(sid)} finished after {state.produced} tokens; no round "
-                    f"{request.round}"
-                )
-            check_closure(state, request, self.fragments)
-            check_drafts(state, request, self.target.vocab_size, self.max_drafts)
-            check_decode(state, request, self.max_decode_len)
-            return await self._commit(state, request, digest, on_decided)
+        """Admit, compute, commit and sign one round (DESIGN.md §5; `Rounds.run_round`)."""
+        return await self.rounds.run_round(signed, on_decided)
 
     async def look_ahead(
         self, session_id: bytes, round_: int, after: Sequence[int], drafts: Sequence[int]
     ) -> bool:
-        """The proposer's Lookahead hint: once round `round_` - 1 is committed, and only if it
-        emitted `after`, evaluate round `round_`, [after[-1], *drafts] after the transcript,
-        before its request (`TargetExecutor.look_ahead`). Only when that is the session's
-        next round, the session holds its KV and captures nothing, the drafts fit what is
-        left, no other session has a round in progress (rounds go first: a lookahead holds
-        the target for a whole forward, and with other sessions at work their next batch
-        would wait for it), and no lookahead ran for this round yet (a hint is worth one
-        forward). Never refused, never written: False when it did not run."""
-        if session_id not in self.replay.sessions or not drafts or not after:
-            return False
-        async with self._lock(session_id):  # after the round in progress, if any
-            state = self.replay.sessions.get(session_id)  # closed while we waited?
-            if (
-                state is None
-                or state.done
-                or state.next_round != round_
-                or len(after) > len(state.transcript)
-                or state.transcript[-len(after) :] != [int(t) for t in after]
-                or len(drafts) > max(0, state.remaining - 1)
-                or state.open.capture_layers
-                or self._others_in_flight(session_id)
-                or self._looked_ahead.get(session_id) == round_
-            ):
-                return False
-            self._looked_ahead[session_id] = round_
-            transcript, tokens = list(state.transcript), [int(d) for d in drafts]
-            return await asyncio.to_thread(self.computer.look_ahead, session_id, transcript, tokens)
-
-    def _retry(self, state, request, digest, stored) -> RoundOutcome:
-        stored_digest, stored_bytes = stored
-        if stored_digest != digest:
-            raise EquivocationError(
-                f"round {request.round} of session {short(state.session_id)} committed request "
-                f"{stored_digest.hex()}; this request is {digest.hex()}"
-            )
-        self.stats.retries += 1
-        result = RoundResult.decode(Signed.decode(stored_bytes).body)
-        captures = [
-            (d, data) for d in result.capture_digests if (data := self.fragments.get(d)) is not None
-        ]
-        return RoundOutcome(stored_bytes, result, captures, {}, True)
-
-    async def _commit(self, state: SessionState, request: RoundRequest, digest: bytes, on_decided):
-        try:
-            decided = await self.batcher.submit(RoundJob(state, request, digest, on_decided))
-        except RoundQueueFullError:
-            self.stats.queue_full += 1
-            raise
-        decision, result, captures, post, signed, timings = decided
-        # fenced CAS: under the session lock nothing else moves head or epoch, so this holds
-        if state.head != request.expected_head or state.epoch != request.epoch:
-            raise JournalError(
-                f"session {short(state.session_id)} moved during round {request.round}"
-            )
-        tokens = state.apply_round(result, digest, signed, post)
-        for d, data in captures:
-            self.fragments.put(d, data, (state.session_id, request.round), counted=False)
-        if state.done:  # a finished session only answers retries, from the log
-            self.kv.drop(state.session_id)
-        self._observe(request, decision, len(tokens), timings)
-        log.debug(  # per round: DEBUG (at INFO its formatting alone was ~2% of a busy verifier)
-            "session %s round %d: accepted %d/%d next_frontier %d emitted %d "
-            "verify %.1fms wal %.1fms",
-            short(state.session_id), request.round, decision.accepted, len(request.drafts),
-            decision.next_frontier, len(tokens), 1e3 * timings["verify_s"], 1e3 * timings["wal_s"],
-        )  # fmt: skip
-        return RoundOutcome(signed, result, captures, timings, False)
-
-    def _decide_and_commit(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
-        """A batch in the worker thread (DESIGN.md §5 steps 3 and 4): compute, judge and sign
-        every round, then make the ROUND records of those that were decided durable in one
-        write and one fsync. A commit-log failure is every decided round's failure."""
-        decided = self.computer.decide(jobs)
-        ok = [i for i, d in enumerate(decided) if not isinstance(d, BaseException)]
-        if not ok:
-            return decided
-        t0 = self.clock()
-        payloads = [journal.encode(journal.RoundEntry(jobs[i].digest, decided[i][4])) for i in ok]
-        try:
-            self.log.append_many(payloads)
-        except WalError as exc:
-            for i in ok:
-                decided[i] = exc
-            return decided
-        wal_s = self.clock() - t0
-        for i in ok:
-            decided[i][5]["wal_s"] = wal_s
-        return decided
-
-    def _observe(self, request, decision, emitted: int, timings: dict[str, float]) -> None:
-        self.stats.observe_round(len(request.drafts), decision.accepted, emitted, **timings)
+        """The proposer's Lookahead hint (`Rounds.look_ahead`)."""
+        return await self.rounds.look_ahead(session_id, round_, after, drafts)

@@ -1,15 +1,22 @@
 """Errors of the storage layer (commit log, fragment store).
 
-Each subclasses `muser.errors.MuserError` so the CLI maps it to an exit code and the
-servicers to one gRPC status. Corruption is a refusal (exit 2): the data on disk is input
-the daemon will not use until an operator acts, and the message says which command to run.
+Each subclasses `MuserError`, the base of every error the project raises on purpose, so the
+CLI maps it to an exit code and the servicers to one gRPC status. That base is defined here,
+in the lowest layer, because storage imports nothing above it (docs/architecture.md);
+`muser.errors` re-exports it for everything else. Corruption is a refusal (exit 2): the data
+on disk is input the daemon will not use until an operator acts, and the message says which
+command to run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from muser.errors import MuserError
+
+class MuserError(Exception):
+    """Base of every error this project raises on purpose (re-exported by `muser.errors`)."""
+
+    exit_code = 3
 
 
 class WalError(MuserError):

@@ -147,11 +147,11 @@ class GroupCommit:
             self._leading = True
             return "caller" if len(self._inflight) < self._max_syncs else "flusher"
 
-    def submit(self, payload: bytes | None) -> int:
+    def commit(self, payload: bytes | None) -> int:
         """Commit one payload (None: wait for everything queued before it); block."""
-        return self.submit_many([payload])[0]
+        return self.commit_many([payload])[0]
 
-    def submit_many(self, payloads: list[bytes | None]) -> list[int]:
+    def commit_many(self, payloads: list[bytes | None]) -> list[int]:
         """Commit payloads queued together (one write and one fsync when this caller takes
         the writer role); block until every one is durable; their seqs, in order."""
         waiters = [_Waiter(payload, None) for payload in payloads]
@@ -167,11 +167,11 @@ class GroupCommit:
                 raise waiter.error
         return [waiter.seq for waiter in waiters]
 
-    async def submit_async(self, payload: bytes) -> int:
+    async def commit_async(self, payload: bytes) -> int:
         """Commit one payload and await it; the event loop never waits on an fsync."""
-        return (await self.submit_many_async([payload]))[0]
+        return (await self.commit_many_async([payload]))[0]
 
-    async def submit_many_async(self, payloads: list[bytes]) -> list[int]:
+    async def commit_many_async(self, payloads: list[bytes]) -> list[int]:
         """Commit payloads queued together (one batch: one write and one fsync when this
         caller takes the writer role) and await them all; their seqs, in order. Only the
         last one wakes the event loop: a batch is acknowledged, or fails, as a whole."""
@@ -311,7 +311,7 @@ class GroupCommit:
                 return
             self._closing = True
         with contextlib.suppress(WalIOError):  # any failure was reported to its appender
-            self.submit(None)
+            self.commit(None)
         with self._mutex:
             while self._leading or self._inflight:
                 self._changed.wait()

@@ -24,9 +24,11 @@ package) knows their layout. It plugs in like this:
 
     register_interpreter(RoundInterpreter())
 
-and makes the CLI import that module: add "package.module" (which registers on import) or
-"package.module:attr" (an instance or a zero-argument class, registered for you) to
-BUILTIN_INTERPRETERS below, or pass `--interpreter SPEC` on the command line.
+and makes the CLI import that module: the application names "package.module" (which
+registers on import) or "package.module:attr" (an instance or a zero-argument class,
+registered for you) in the specs it hands `load_interpreters` (the daemons' own are
+`muser_app.cli.wal.DAEMON_INTERPRETERS`: storage names no package above it), or the
+operator passes `--interpreter SPEC` on the command line.
 
 With nothing registered, verify checks what the log itself guarantees: segment headers,
 every checksum, sequence numbers contiguous across segments, snapshot integrity.
@@ -40,11 +42,6 @@ from typing import Protocol, runtime_checkable
 
 from wal.base import Record, Snapshot
 from wal.errors import WalError, WalUsageError
-
-BUILTIN_INTERPRETERS: tuple[str, ...] = (
-    "verifier_gx.journal:WalInterpreter",
-    "proposer_mac.journal:WalInterpreter",
-)
 
 
 @runtime_checkable
@@ -121,10 +118,13 @@ def load_requested_interpreter(spec: str) -> None:
         ) from exc
 
 
-def load_builtin_interpreters(extra: Iterable[str] = ()) -> tuple[RecordInterpreter, ...]:
-    """Load BUILTIN_INTERPRETERS and `extra` specs (the operator's, refused when they cannot
-    be loaded); return everything registered."""
-    for spec in BUILTIN_INTERPRETERS:
+def load_interpreters(
+    builtin: Iterable[str], extra: Iterable[str] = ()
+) -> tuple[RecordInterpreter, ...]:
+    """Load the application's `builtin` specs (one that cannot be loaded is a broken
+    installation: a runtime error) and `extra` specs (the operator's, refused when they
+    cannot be loaded); return everything registered."""
+    for spec in builtin:
         load_interpreter(spec)
     for spec in extra:
         load_requested_interpreter(spec)

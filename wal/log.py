@@ -245,22 +245,22 @@ class FileLog:
 
     def append(self, payload: bytes) -> int:
         """Append one record and return its seq once it is durable (blocks the caller)."""
-        return self._group.submit(check_payload(payload, self.max_record_bytes))
+        return self._group.commit(check_payload(payload, self.max_record_bytes))
 
     def append_many(self, payloads: list[bytes]) -> list[int]:
         """Append records together (one write and one fsync when nobody else is writing);
         block until all are durable; their seqs, in order."""
-        return self._group.submit_many([check_payload(p, self.max_record_bytes) for p in payloads])
+        return self._group.commit_many([check_payload(p, self.max_record_bytes) for p in payloads])
 
     async def append_async(self, payload: bytes) -> int:
         """Append one record; await durability without blocking the event loop."""
-        return await self._group.submit_async(check_payload(payload, self.max_record_bytes))
+        return await self._group.commit_async(check_payload(payload, self.max_record_bytes))
 
     async def append_many_async(self, payloads: list[bytes]) -> list[int]:
         """`append_many` awaited without blocking the event loop (one write and one fsync
         when nobody else is writing)."""
         checked = [check_payload(p, self.max_record_bytes) for p in payloads]
-        return await self._group.submit_many_async(checked)
+        return await self._group.commit_many_async(checked)
 
     def _write_records(self, payloads: list[bytes]) -> tuple[int, _Active]:
         """Write a batch (rolling over as needed); only the writer-role holder calls this.

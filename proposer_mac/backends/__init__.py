@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from muser.backend import ModelBackend
+from muser.backend import ModelBackend, check_options
 from muser.errors import UnknownBackendError
-from verifier_gx.backends import check_options
 
 DraftKind = Literal["mlx", "torch"]
 DRAFT_KINDS: tuple[DraftKind, ...] = ("mlx", "torch")

@@ -1,12 +1,12 @@
-"""Draft backend on PyTorch: the target's torch backend, used as a draft (DESIGN.md §8).
+"""Draft backend on PyTorch: the torch model runner the target uses too (DESIGN.md §8).
 
-Both sides share one implementation so the torch draft and the torch target cannot drift;
-this module exists so the proposer names its backends in one place.
+Both sides share one implementation (`muser_torch`) so the torch draft and the torch target
+cannot drift; this module exists so the proposer names its backends in one place.
 """
 
 from __future__ import annotations
 
-from verifier_gx.backends.torch_backend import DTYPES, Dtype, TorchBackend
+from muser_torch.backend import DTYPES, Dtype, TorchBackend
 
 
 class TorchDraftBackend(TorchBackend):

@@ -25,7 +25,7 @@ def build_backend(kind: str, path: Path, **opts: object):
 
         return VllmBackend(path, **opts)
     if kind == "torch":
-        from verifier_gx.backends.torch_backend import TorchBackend
+        from muser_torch.backend import TorchBackend
 
         return TorchBackend(path, **opts)
     if kind == "mlx":
@@ -33,8 +33,8 @@ def build_backend(kind: str, path: Path, **opts: object):
 
         return MlxBackend(path, device="cpu", **opts)
     if kind == "windowed":
+        from muser_torch.backend import TorchBackend
         from proposer_mac.backends.windowed import WindowedBackend
-        from verifier_gx.backends.torch_backend import TorchBackend
 
         window = opts.pop("window", 3)
         return WindowedBackend(TorchBackend(path, **opts), window)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from muser.testing import make_tiny_checkpoint
+from muser_app.testing import make_tiny_checkpoint
 from tests.backends.backend_helpers import build_backend, checkpoint_options
 
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from muser.errors import InvalidOverrideError
+from muser_torch.backend import TorchBackend, check_device
 from proposer_mac.backends import load_draft_backend
 from proposer_mac.backends.mlx_draft import MlxBackend, choose_device
 from tests.backends.backend_helpers import PROMPT, float64_rows
 from tests.verifier.conftest import key_set  # noqa: F401  (a fixture, re-exported)
-from verifier_gx.backends.torch_backend import TorchBackend, check_device
 
 HAS_MLX_GPU = mx.is_available(mx.gpu)
 HAS_CUDA = torch.cuda.is_available()
@@ -129,14 +129,14 @@ def test_devices_the_torch_backend_does_not_run_on_are_refused(device: str, mess
 
 @pytest.fixture
 def cluster_file(tmp_path, checkpoint):
-    from muser.cli.config import init_cluster
+    from muser_app.cli.config import init_cluster
 
     pair = checkpoint("llama", seed=1), checkpoint("llama", seed=2)
     return init_cluster(tmp_path / "c", target=pair[0], draft=pair[1], draft_backend="mlx")
 
 
 def _set(path, section: str, **values) -> None:
-    from muser.cli.config import to_toml
+    from muser_app.cli.config import to_toml
 
     data = tomllib.loads(path.read_text())
     data[section].update(values)
@@ -144,7 +144,7 @@ def _set(path, section: str, **values) -> None:
 
 
 def _check(path, capsys, role: str) -> tuple[int, str]:
-    from muser.cli.main import main
+    from muser_app.cli.main import main
 
     capsys.readouterr()
     code = main(["config", "check", str(path), "--role", role])
@@ -169,7 +169,7 @@ def test_config_check_refuses_a_gpu_this_machine_lacks(cluster_file, capsys) -> 
 async def test_status_reports_where_draft_and_target_run(key_set, tmp_path, llama) -> None:  # noqa: F811
     """The proposer loads its mlx draft from the config ("auto": the CPU here) and reports
     it through the Status RPC; `muser status` prints it, and the verifier's target too."""
-    from muser.cli.status import probe, summary
+    from muser_app.cli.status import probe, summary
     from proposer_mac.daemon import create_server
     from tests.verifier.conftest import Verifier, make_config
 

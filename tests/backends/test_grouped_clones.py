@@ -10,23 +10,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from muser.testing import ARCHES
+from muser_app.testing import ARCHES
+from muser_torch.batched import BatchKv
 from tests.backends.backend_helpers import PROMPT, build_backend
-from verifier_gx.backends.torch_backend import _BatchKv
 
 
 @pytest.fixture
 def in_place(monkeypatch) -> list[bool]:
     """Whether each batched `update` found its sequences to be one group's rows, in order."""
     seen: list[bool] = []
-    group = _BatchKv._group
+    group = BatchKv._group
 
     def spy(self):
         got = group(self)
         seen.append(got is not None)
         return got
 
-    monkeypatch.setattr(_BatchKv, "_group", spy)
+    monkeypatch.setattr(BatchKv, "_group", spy)
     return seen
 
 

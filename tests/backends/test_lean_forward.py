@@ -1,4 +1,4 @@
-"""The lean Llama forward (verifier_gx/backends/llama_forward.py): bit-equal rows to the
+"""The lean Llama forward (muser_torch/llama_forward.py): bit-equal rows to the
 transformers forward on both torch paths, used only where that holds, off on request.
 
 The two bit-equality tests also run in the vLLM environment (`make test-vllm`, marker
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from muser.testing import ARCHES
+from muser_app.testing import ARCHES
+from muser_torch import llama_forward
 from tests.backends.backend_helpers import PROMPT, build_backend
-from verifier_gx.backends import llama_forward
 
 
 def _pair(path, **opts):
@@ -77,15 +77,18 @@ def test_a_draft_step_takes_the_ragged_batch_inputs_by_a_shorter_way(checkpoint,
     three torch calls: the very tensors the ragged path builds, so the very rows."""
     import torch
 
+    from muser_torch.batched import batch_inputs, ragged_inputs
+
     short, ragged = (build_backend("torch", checkpoint("llama"), dtype=dtype) for _ in range(2))
-    ragged._inputs = ragged._ragged_inputs  # every batch the long way
+    mask = (short._mask_dtype, short._mask_lowest)
+    ragged._inputs = lambda *batch: ragged_inputs(torch, *batch, *mask)  # every batch the long way
     a, b = short.sequence(), ragged.sequence()
     for seq in (a, b):
         seq.evaluate(PROMPT[:5])
     for t in PROMPT[5:12]:
         total = a.length + 1
-        got = short._inputs([a], [[t]], [1], total)
-        want = short._ragged_inputs([a], [[t]], [1], total)
+        got = batch_inputs(torch, [a], [[t]], [1], total, *mask)
+        want = ragged_inputs(torch, [a], [[t]], [1], total, *mask)
         for x, y in zip(got, want, strict=True):
             assert (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(x, y)
         assert np.array_equal(a.evaluate([t]), b.evaluate([t]))

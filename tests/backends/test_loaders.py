@@ -14,9 +14,9 @@ from verifier_gx.backends import TARGET_KINDS, load_target_backend
 
 
 def test_loaders_build_each_kind(llama) -> None:
+    from muser_torch.backend import TorchBackend
     from proposer_mac.backends.mlx_draft import MlxBackend
     from proposer_mac.backends.torch_draft import TorchDraftBackend
-    from verifier_gx.backends.torch_backend import TorchBackend
 
     target = load_target_backend("torch", llama, context_length=64)
     assert type(target) is TorchBackend and target.geometry.context_length == 64

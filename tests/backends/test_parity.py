@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from muser.errors import ContextOverflowError
-from muser.testing import ARCHES
+from muser_app.testing import ARCHES
 from tests.backends.backend_helpers import PROMPT, build_backend, float64_rows
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from muser.errors import ContextOverflowError, InvalidOverrideError
-from muser.testing import ARCHES
+from muser_app.testing import ARCHES
 from tests.backends.backend_helpers import (
     PROMPT,
     build_backend,

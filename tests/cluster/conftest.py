@@ -34,13 +34,13 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def fixture_pair():
-    from muser.fixtures import build_fixtures
+    from muser_app.fixtures import build_fixtures
 
     return build_fixtures(progress=False).natural
 
 
 def make_cluster(directory: Path, pair, *, draft_len: int = 4, edit=None) -> Cluster:
-    from muser.cli.config import init_cluster
+    from muser_app.cli.config import init_cluster
     from tests.qualify.receipts import qualified_receipt
 
     path = init_cluster(directory, target=pair.target, draft=pair.draft, draft_len=draft_len)

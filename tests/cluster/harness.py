@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from muser.procs import Daemon
+from muser_app.procs import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,7 +15,7 @@ __all__ = ["Daemon", "muser"]
 
 def muser(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "muser.cli.main", *args],
+        [sys.executable, "-m", "muser_app.cli.main", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -8,17 +8,17 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from muser.cli.cluster_client import stream_generate
-from muser.fixtures import natural_prompts
 from muser.records import RoundResult
 from muser.sampling import SamplingParams
 from muser.width import ScriptedWidth
+from muser_app.cli.cluster_client import stream_generate
+from muser_app.fixtures import natural_prompts
+from muser_app.lanes.local import run_local
+from muser_app.lanes.plain import run_plain
 from proposer_mac import journal
 from proposer_mac.backends import load_draft_backend
-from proposer_mac.local_lane import run_local
 from tests.cluster.conftest import make_cluster
 from verifier_gx.backends import load_target_backend
-from verifier_gx.plain import run_plain
 from wal import FileLog
 
 RANGE = "draft_len = 4\ndraft_len_min = 0\ndraft_len_max = 8\n"

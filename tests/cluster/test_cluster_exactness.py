@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from muser.cli.cluster_client import stream_generate
-from muser.fixtures import natural_prompts
 from muser.sampling import SamplingParams
+from muser_app.cli.cluster_client import stream_generate
+from muser_app.fixtures import natural_prompts
+from muser_app.lanes.local import run_local
+from muser_app.lanes.plain import run_plain
 from proposer_mac.backends import load_draft_backend
-from proposer_mac.local_lane import run_local
 from tests.cluster.harness import muser
 from verifier_gx.backends import load_target_backend
-from verifier_gx.plain import run_plain
 
 
 @pytest.fixture(scope="module")

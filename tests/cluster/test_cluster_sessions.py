@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
-from muser.cli.cluster_client import stream_generate
-from muser.cli.status import probe
-from muser.fixtures import natural_prompts
 from muser.sampling import SamplingParams
+from muser_app.cli.cluster_client import stream_generate
+from muser_app.cli.status import probe
+from muser_app.fixtures import natural_prompts
+from muser_app.lanes.plain import run_plain
 from verifier_gx.backends import load_target_backend
-from verifier_gx.plain import run_plain
 
 SESSIONS = 6
 

@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from cluster_config import load_config
 from muser import keys
-from muser.cli.cluster_client import stream_generate
-from muser.fixtures import natural_prompts
-from muser.netproxy import TcpProxy
 from muser.sampling import SamplingParams
+from muser_app.cli.cluster_client import stream_generate
+from muser_app.fixtures import natural_prompts
+from muser_app.netproxy import TcpProxy
 from tests.cluster.conftest import make_cluster
 from tests.cluster.harness import Daemon, muser
 from tests.qualify.receipts import qualified_receipt

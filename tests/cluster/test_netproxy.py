@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from muser.netproxy import TcpProxy
+from muser_app.netproxy import TcpProxy
 
 
 class Echo(socketserver.BaseRequestHandler):

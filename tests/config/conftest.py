@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from muser.testing import make_tiny_checkpoint
+from muser_app.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

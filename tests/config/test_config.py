@@ -8,11 +8,11 @@ import stat
 import pytest
 
 from cluster_config import load_config
-from cluster_config.rules import check_rules
 from cluster_config.schema import ConfigError
-from muser.cli.config import init_cluster
-from muser.cli.main import main
-from muser.testing import make_tiny_checkpoint
+from muser_app.checks import check_config
+from muser_app.cli.config import init_cluster
+from muser_app.cli.main import main
+from muser_app.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def cluster_file(tmp_path, models):
 
 def test_init_writes_a_config_that_checks(cluster_file, unqualified, capsys):
     cfg = load_config(cluster_file)
-    check_rules(cfg)
+    check_config(cfg)
     assert cfg.verifier.address != cfg.proposer.address
     assert cfg.verifier.key.is_absolute() and cfg.verifier.key.exists()
     assert main(["config", "check", str(cluster_file)]) == 0
@@ -58,12 +58,12 @@ class _LowestFreePort:
 def test_init_gives_each_server_its_own_port_even_when_the_kernel_reuses_one(
     tmp_path, models, monkeypatch, unqualified
 ):
-    monkeypatch.setattr("muser.cli.config.socket.socket", _LowestFreePort)
+    monkeypatch.setattr("muser_app.cli.config.socket.socket", _LowestFreePort)
     path = init_cluster(tmp_path / "c", target=models[0], draft=models[1])
     cfg = load_config(path)
     ports = {cfg.verifier.address, cfg.verifier.http, cfg.proposer.address, cfg.proposer.http}
     assert sorted(a.rsplit(":", 1)[1] for a in ports) == ["20000", "20001", "20002", "20003"]
-    check_rules(cfg)
+    check_config(cfg)
 
 
 def test_private_keys_are_written_0600(cluster_file):
@@ -103,26 +103,26 @@ def test_two_nodes_on_one_address_refused(cluster_file):
     cfg = load_config(cluster_file)
     edit(cluster_file, cfg.proposer.address, cfg.verifier.address)
     with pytest.raises(ConfigError, match="both use .* give each server its own"):
-        check_rules(load_config(cluster_file))
+        check_config(load_config(cluster_file))
 
 
 def test_mismatched_key_pair_refused(cluster_file):
     edit(cluster_file, 'public_key = "keys/verifier.pub"', 'public_key = "keys/proposer.pub"')
     with pytest.raises(ConfigError, match="not the public half"):
-        check_rules(load_config(cluster_file))
+        check_config(load_config(cluster_file))
 
 
 def test_unenrolled_verifier_key_refused(cluster_file):
     edit(cluster_file, 'verifiers = ["keys/verifier.pub"]', 'verifiers = ["keys/proposer.pub"]')
     with pytest.raises(ConfigError, match="not in enrolment.verifiers"):
-        check_rules(load_config(cluster_file))
+        check_config(load_config(cluster_file))
 
 
 def test_missing_model_directory_refused(cluster_file, tmp_path):
     cfg = load_config(cluster_file)
     edit(cluster_file, str(cfg.verifier.target), str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match=r"verifier.target .* has no config.json"):
-        check_rules(load_config(cluster_file))
+        check_config(load_config(cluster_file))
 
 
 def test_unparsable_and_missing_files(tmp_path):
@@ -274,7 +274,7 @@ def test_cpus_this_machine_does_not_give_are_refused_for_that_node_only(
     with pytest.raises(
         ConfigError, match=r"proposer.cpus \[1, 7\] names CPU 7, but .* CPUs \[0, 1\]"
     ):
-        check_rules(cfg)
-    check_rules(cfg, role="verifier")  # another machine's CPUs are not this one's to check
+        check_config(cfg)
+    check_config(cfg, role="verifier")  # another machine's CPUs are not this one's to check
     with pytest.raises(ConfigError, match="proposer.cpus"):
-        check_rules(cfg, role="proposer")
+        check_config(cfg, role="proposer")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from cluster_config import load_config
-from cluster_config.rules import check_rules
 from cluster_config.schema import ConfigError, Limits
 from muser.channels import channel_options, server_options
-from muser.cli.config import init_cluster
-from muser.cli.main import main
 from muser.errors import RefusedError
+from muser_app.checks import check_config
+from muser_app.cli.config import init_cluster
+from muser_app.cli.main import main
 
 NOT_UTF8 = "héllo wörld\n".encode("latin-1")  # b"h\xe9llo": not a UTF-8 sequence
 C_INT_MAX = 2**31 - 1
@@ -70,7 +70,7 @@ def test_config_check_refuses_a_cluster_file_that_is_not_utf8(tmp_path, capsys):
 def test_generate_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(NOT_UTF8)
-    from muser.cli._common import read_prompt
+    from muser_app.cli._common import read_prompt
 
     args = argparse.Namespace(prompt=None, prompt_file=bad)
     with pytest.raises(RefusedError, match=rf"--prompt-file {re.escape(str(bad))}.*UTF-8"):
@@ -84,7 +84,7 @@ def test_generate_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
 def test_qualify_refuses_a_prompts_file_that_is_not_utf8(cluster_file, tmp_path, capsys):
     bad = tmp_path / "prompts.jsonl"
     bad.write_bytes(b'"a prompt"\n"' + NOT_UTF8.strip() + b'"\n')
-    from muser.cli.qualify import read_prompts
+    from muser_app.cli.qualify import read_prompts
 
     with pytest.raises(RefusedError, match=rf"--prompts {re.escape(str(bad))}.*UTF-8"):
         read_prompts(bad)
@@ -155,22 +155,22 @@ def test_a_wal_dir_that_is_a_file_is_refused_for_its_node(
     set_key(cluster_file, role, "wal_dir", f'"{where}"')
     path = getattr(load_config(cluster_file), role).wal_dir
     with pytest.raises(ConfigError, match=rf"{role}\.wal_dir {re.escape(str(path))}"):
-        check_rules(load_config(cluster_file), role)
+        check_config(load_config(cluster_file), role)
     with pytest.raises(ConfigError, match=rf"{role}\.wal_dir"):
-        check_rules(load_config(cluster_file))  # no role: every node
+        check_config(load_config(cluster_file))  # no role: every node
     code, err = check(cluster_file, capsys, "--role", role)
     assert code == 2 and f"{role}.wal_dir" in err and "directory" in err
     other = "proposer" if role == "verifier" else "verifier"
-    check_rules(load_config(cluster_file), other)  # the other machine does not care
+    check_config(load_config(cluster_file), other)  # the other machine does not care
 
 
 def test_a_wal_dir_to_be_created_or_already_there_passes(cluster_file, unqualified, tmp_path):
     cfg = load_config(cluster_file)
     assert not cfg.verifier.wal_dir.exists()  # init writes none: serve creates them
-    check_rules(cfg)
+    check_config(cfg)
     cfg.proposer.wal_dir.mkdir(parents=True)
     set_key(cluster_file, "verifier", "wal_dir", f'"{tmp_path / "new" / "deeper" / "wal"}"')
-    check_rules(load_config(cluster_file))
+    check_config(load_config(cluster_file))
 
 
 # --- 6. a strict schema: no coercion of booleans, integers and strings ---------------------
@@ -224,12 +224,12 @@ def test_init_output_still_checks_with_a_strict_schema(tmp_path, tiny_pair, unqu
     ],
 )
 def test_demo_refuses_counts_it_cannot_use_before_any_work(monkeypatch, capsys, argv, flag):
-    import muser.cli._common
+    import muser_app.cli._common
 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo started work on an argument it should have refused")
 
-    monkeypatch.setattr(muser.cli._common, "default_pair", no_work)
+    monkeypatch.setattr(muser_app.cli._common, "default_pair", no_work)
     with pytest.raises(SystemExit) as exit_:
         main(["demo", *argv])
     assert exit_.value.code == 2
@@ -247,11 +247,11 @@ def test_demo_refuses_counts_it_cannot_use_before_any_work(monkeypatch, capsys, 
     ],
 )
 def test_demo_refuses_sampling_flags_before_any_work(monkeypatch, capsys, argv, message):
-    import muser.cli._common
+    import muser_app.cli._common
 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo started work on an argument it should have refused")
 
-    monkeypatch.setattr(muser.cli._common, "default_pair", no_work)
+    monkeypatch.setattr(muser_app.cli._common, "default_pair", no_work)
     assert main(["demo", *argv]) == 2
     assert message in capsys.readouterr().err

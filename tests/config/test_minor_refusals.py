@@ -11,8 +11,8 @@ import pytest
 
 from cluster_config import load_config
 from cluster_config.rules import distinct_addresses
-from muser.cli.config import init_cluster, to_toml
-from muser.cli.main import main
+from muser_app.cli.config import init_cluster, to_toml
+from muser_app.cli.main import main
 
 
 @pytest.fixture
@@ -136,12 +136,12 @@ def test_a_loopback_verifier_address_puts_both_nodes_on_one_machine(
 def test_status_refuses_a_wait_that_is_no_number_of_seconds(
     cluster_file, monkeypatch, capsys, wait
 ):
-    import muser.cli.status
+    import muser_app.cli.status
 
     def no_probe(*args, **kwargs):
         raise AssertionError("status probed a daemon under a --wait it should have refused")
 
-    monkeypatch.setattr(muser.cli.status, "probe", no_probe)
+    monkeypatch.setattr(muser_app.cli.status, "probe", no_probe)
     with pytest.raises(SystemExit) as exit_:
         main(["status", "--config", str(cluster_file), "--wait", wait])
     assert exit_.value.code == 2
@@ -150,11 +150,11 @@ def test_status_refuses_a_wait_that_is_no_number_of_seconds(
 
 
 def test_status_accepts_a_zero_wait(cluster_file, monkeypatch, capsys):
-    import muser.cli.status
+    import muser_app.cli.status
 
     seen = []
     monkeypatch.setattr(
-        muser.cli.status,
+        muser_app.cli.status,
         "probe",
         lambda address, service, tls=None: (
             seen.append(service) or {"address": address, "serving": False}

@@ -12,9 +12,9 @@ import pytest
 
 from cluster_config import load_config
 from cluster_config.schema import ConfigError
-from muser.cli.config import init_cluster, to_toml
-from muser.cli.main import main
-from muser.testing import make_tiny_checkpoint
+from muser_app.cli.config import init_cluster, to_toml
+from muser_app.cli.main import main
+from muser_app.testing import make_tiny_checkpoint
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_mlx_draft_in_another_dtype_refused(cluster_file, capsys):
 
 @pytest.mark.asyncio
 async def test_draft_dtype_takes_effect(cluster_file):
-    from proposer_mac.daemon import ProposerCore
+    from proposer_mac.core import ProposerCore
 
     set_value(cluster_file, "proposer.dtype", "bfloat16")
     core = ProposerCore(load_config(cluster_file))
@@ -320,13 +320,13 @@ def test_show_prints_the_resolved_configuration(cluster_file, capsys):
 
 
 def test_relative_paths_resolve_against_the_files_folder_at_any_depth(cluster_file):
-    from cluster_config.rules import check_rules
+    from muser_app.checks import check_config
 
     set_value(cluster_file, "tls.ca", "elsewhere/ca.pem")
     cfg = load_config(cluster_file)
     assert cfg.tls.ca == cluster_file.parent.resolve() / "elsewhere" / "ca.pem"
     with pytest.raises(ConfigError, match="cannot read tls.ca .*elsewhere/ca.pem"):
-        check_rules(cfg, receipt=False)
+        check_config(cfg, receipt=False)
 
 
 def test_each_machine_needs_only_its_own_checkpoint(cluster_file, tiny_pair, unqualified, capsys):

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster_config.schema import TLS_ROLES, Tls
 from muser import tls
-from muser.cli.main import main
+from muser_app.cli.main import main
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

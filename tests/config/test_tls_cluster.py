@@ -12,12 +12,12 @@ import urllib.request
 import pytest
 
 from cluster_config import load_config
-from cluster_config.rules import check_rules
-from muser.cli.cluster_client import stream_generate
-from muser.cli.config import init_cluster
-from muser.cli.main import main
-from muser.cli.status import probe
 from muser.sampling import SamplingParams
+from muser_app.checks import check_config
+from muser_app.cli.cluster_client import stream_generate
+from muser_app.cli.config import init_cluster
+from muser_app.cli.main import main
+from muser_app.cli.status import probe
 
 PROMPT = [5, 17, 42, 9, 100, 3]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24)
@@ -25,15 +25,15 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24)
 
 @pytest.mark.asyncio
 async def test_tls_cluster_generates_exactly_and_refuses_plaintext(tmp_path, tiny_pair):
+    from muser_app.lanes.plain import run_plain
     from proposer_mac import daemon as proposer_daemon
     from verifier_gx import daemon as verifier_daemon
     from verifier_gx.backends import load_target_backend
-    from verifier_gx.plain import run_plain
 
     path = init_cluster(tmp_path / "c", target=tiny_pair[0], draft=tiny_pair[1], tls=True)
     config = load_config(path)
     assert config.tls is not None
-    check_rules(config, receipt=False)
+    check_config(config, receipt=False)
     verifier, _ = verifier_daemon.create_server(config, unqualified="tiny random pair, TLS test")
     await verifier.start()
     proposer, _ = await proposer_daemon.create_server(config)

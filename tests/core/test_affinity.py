@@ -120,8 +120,8 @@ class _Client:
 
 @linux
 def test_a_pinned_cluster_run_is_the_client_on_the_proposers_cpus_and_only_while_it_runs():
-    from muser.bench_cluster import _lane
     from muser.sampling import SamplingParams
+    from muser_app.bench.cluster import _lane
 
     before, client = os.sched_getaffinity(0), _Client()
     cpus = {"proposer": [max(before)], "verifier": [min(before)]}
@@ -135,9 +135,9 @@ def test_a_pinned_cluster_run_is_the_client_on_the_proposers_cpus_and_only_while
 
 @linux
 def test_a_waves_clients_run_on_the_proposers_cpus_and_the_harness_gets_its_own_back():
-    from muser.bench_cluster import _lane
-    from muser.bench_sessions import run_concurrent
     from muser.sampling import SamplingParams
+    from muser_app.bench.cluster import _lane
+    from muser_app.bench.sessions import run_concurrent
 
     before, client = os.sched_getaffinity(0), _Client()
     lane = _lane(client, "127.0.0.1:1", SamplingParams(), 4, {}, {"proposer": [max(before)]})

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from muser.cli.bench import _check_counts
-from muser.cli.main import main
+from muser_app.cli.bench import _check_counts
+from muser_app.cli.main import main
 
 
 @pytest.mark.parametrize(
@@ -34,12 +34,12 @@ from muser.cli.main import main
     ],
 )
 def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, monkeypatch):
-    import muser.fixtures
+    import muser_app.fixtures
 
     def no_fixtures(*a, **k):
         raise AssertionError("the refusal comes first")
 
-    monkeypatch.setattr(muser.fixtures, "build_fixtures", no_fixtures)
+    monkeypatch.setattr(muser_app.fixtures, "build_fixtures", no_fixtures)
     receipt = tmp_path / "r.json"
     assert main(["bench", "--no-peers", "--receipt", str(receipt), *args]) == 2
     assert says in capsys.readouterr().err
@@ -73,20 +73,20 @@ class Started(Exception):
 def test_widening_gives_every_lane_the_widened_models(suite, tmp_path, monkeypatch):
     import shutil
 
-    import muser.bench_cluster
-    import muser.bench_sessions
-    import muser.benchmark
-    import muser.fixtures
-    from muser.fixtures import FixturePair, Fixtures
-    from muser.fixtures.widen import widened_dir
+    import muser_app.bench.cluster
+    import muser_app.bench.lanes
+    import muser_app.bench.sessions
+    import muser_app.fixtures
+    from muser_app.fixtures import FixturePair, Fixtures
+    from muser_app.fixtures.widen import widened_dir
 
-    fixtures = muser.fixtures.build_fixtures(progress=False)
+    fixtures = muser_app.fixtures.build_fixtures(progress=False)
     pair = FixturePair(
         shutil.copytree(fixtures.natural.target, tmp_path / "target"),
         shutil.copytree(fixtures.natural.draft, tmp_path / "draft"),
     )
     monkeypatch.setattr(
-        muser.fixtures, "build_fixtures", lambda **k: Fixtures(pair, pair, tmp_path)
+        muser_app.fixtures, "build_fixtures", lambda **k: Fixtures(pair, pair, tmp_path)
     )
     given = []
 
@@ -97,9 +97,9 @@ def test_widening_gives_every_lane_the_widened_models(suite, tmp_path, monkeypat
         given.append((target, draft))
         raise Started
 
-    monkeypatch.setattr(muser.benchmark, "build_lanes", started)  # the lanes and the peers
-    monkeypatch.setattr(muser.bench_sessions, "oracle_tokens", oracle)  # the sessions' oracle
-    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", started)  # the sessions' cluster
+    monkeypatch.setattr(muser_app.bench.lanes, "build_lanes", started)  # the lanes and the peers
+    monkeypatch.setattr(muser_app.bench.sessions, "oracle_tokens", oracle)  # the sessions' oracle
+    monkeypatch.setattr(muser_app.bench.cluster, "cluster_lanes", started)  # the sessions' cluster
     with pytest.raises(Started):
         main(["bench", "--suite", suite, "--widen-target", "4", "--widen-draft", "2"])
     wide = (widened_dir(pair.target, 4), widened_dir(pair.draft, 2))
@@ -108,7 +108,7 @@ def test_widening_gives_every_lane_the_widened_models(suite, tmp_path, monkeypat
 
 
 def test_a_widened_run_says_so_above_its_table():
-    from muser.cli.bench import _widened_label
+    from muser_app.cli.bench import _widened_label
 
     assert _widened_label(namespace()) is None
     assert _widened_label(namespace(widen_target=8, widen_draft=1)).startswith(

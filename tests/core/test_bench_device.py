@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cluster_config import load_config
-from muser.bench_cluster import as_remote, with_target_device
-from muser.cli.config import init_cluster
-from muser.cli.main import main
+from muser_app.bench.cluster import as_remote, with_target_device
+from muser_app.cli.config import init_cluster
+from muser_app.cli.main import main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -75,8 +75,8 @@ def test_the_sessions_suite_runs_its_sessions_adaptive_with_a_draft_range(
     import contextlib
     import json
 
-    import muser.bench_cluster
-    from muser.benchmark import Sample
+    import muser_app.bench.cluster
+    from muser_app.bench.sample import Sample
 
     built, used = {}, []
 
@@ -92,7 +92,7 @@ def test_the_sessions_suite_runs_its_sessions_adaptive_with_a_draft_range(
         built.update(kw)
         yield {"cluster@0ms": lane("fixed"), "cluster@0ms-adaptive": lane("adaptive")}
 
-    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
+    monkeypatch.setattr(muser_app.bench.cluster, "cluster_lanes", fake_cluster)
     receipt = tmp_path / "r.json"
     args = ["bench", "--suite", "sessions", "--sessions", "1,2", "--temperature", "1"]
     code = main([*args, "--max-tokens", "3", "--repeats", "1", "--draft-range", "0:8",

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 
-from muser.bench_sessions import run_sessions_bench
-from muser.benchmark import Sample, run_bench
+from muser_app.bench.run import run_bench
+from muser_app.bench.sample import Sample
+from muser_app.bench.sessions import run_sessions_bench
 
 
 def sample(tokens: int = 4) -> Sample:
@@ -52,7 +53,7 @@ def test_run_sessions_bench_drops_the_counts_it_never_finished():
 def test_sigterm_writes_a_partial_receipt_and_exits_130(tmp_path):
     receipt = tmp_path / "r.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "muser.cli.main", "bench", "--prompts", "1", "--max-tokens", "4"]
+        [sys.executable, "-m", "muser_app.cli.main", "bench", "--prompts", "1", "--max-tokens", "4"]
         + ["--repeats", "100000", "--cluster-delays", "", "--no-peers"]
         + ["--receipt", str(receipt)],
         stdout=subprocess.PIPE,

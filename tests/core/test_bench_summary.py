@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from muser.benchmark import (
-    Sample,
+from muser_app.bench.lanes import vllm_speculative_lane
+from muser_app.bench.run import (
     expected_tokens,
     format_table,
     summarise,
-    vllm_speculative_lane,
 )
-from muser.vllm_peer import ENV_PYTHON, default_vllm_python
+from muser_app.bench.sample import Sample
+from muser_app.bench.vllm_peer import ENV_PYTHON, default_vllm_python
 
 
 def sample(lane, repeat, tokens, wall, **kw):
@@ -200,7 +200,7 @@ def test_bench_prints_and_records_the_skipped_vllm_peer(tmp_path):
     receipt = tmp_path / "receipt.json"
     missing = tmp_path / "no-such-python"
     out = subprocess.run(
-        [sys.executable, "-m", "muser.cli.main", "bench", "--prompts", "1", "--max-tokens", "4"]
+        [sys.executable, "-m", "muser_app.cli.main", "bench", "--prompts", "1", "--max-tokens", "4"]
         + ["--repeats", "1", "--cluster-delays", "", "--vllm-python", str(missing)]
         + ["--receipt", str(receipt)],
         capture_output=True,
@@ -241,8 +241,8 @@ def test_cpu_per_round_is_each_process_cpu_over_the_lane_rounds():
 
 
 def test_a_cluster_run_records_what_each_daemon_spent_during_it():
-    from muser.bench_cluster import _lane
     from muser.sampling import SamplingParams
+    from muser_app.bench.cluster import _lane
 
     class FakeDaemon:
         def __init__(self, readings):
@@ -265,7 +265,7 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
 
 
 def test_the_receipt_says_where_the_cluster_ran():
-    from muser.cli.bench import _cpus
+    from muser_app.cli.bench import _cpus
 
     def lane(prompt, max_tokens):
         raise AssertionError("not run")
@@ -286,9 +286,9 @@ def test_the_receipt_says_where_the_cluster_ran():
 
 def test_no_pin_takes_the_cpus_lines_out_of_config_inits_file(tmp_path):
     from cluster_config import load_config
-    from muser.bench_cluster import unpinned
-    from muser.cli.config import init_cluster
-    from muser.testing import make_tiny_checkpoint
+    from muser_app.bench.cluster import unpinned
+    from muser_app.cli.config import init_cluster
+    from muser_app.testing import make_tiny_checkpoint
 
     pair = (
         make_tiny_checkpoint(tmp_path / "t", seed=1),
@@ -303,7 +303,7 @@ def test_no_pin_takes_the_cpus_lines_out_of_config_inits_file(tmp_path):
 def test_cpu_seconds_reads_a_live_process_and_none_for_a_gone_one():
     import time
 
-    from muser.procs import cpu_seconds
+    from muser_app.procs import cpu_seconds
 
     if not Path("/proc/self/stat").exists():  # macOS: nothing to read, and it says so
         assert cpu_seconds(os.getpid()) is None

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from cluster_config import load_config
-from muser.bench_cluster import PACKAGES, parse_variant, with_settings
-from muser.cli.config import init_cluster
-from muser.cli.main import main
-from muser.testing import make_tiny_checkpoint
+from muser_app.bench.cluster import PACKAGES, parse_variant, with_settings
+from muser_app.cli.config import init_cluster
+from muser_app.cli.main import main
+from muser_app.testing import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +79,10 @@ def test_a_code_variant_that_is_not_a_checkout_is_refused(tmp_path, path):
 def test_a_code_variants_daemons_run_that_checkout(cluster_file, tmp_path, monkeypatch):
     """cluster_lanes: both daemons get the checkout on their PYTHONPATH, and the variant's
     other settings reach the cluster file they run from."""
-    import muser.cli.qualify
-    import muser.procs
-    from muser.bench_cluster import cluster_lanes
+    import muser_app.cli.qualify
+    import muser_app.procs
     from muser.sampling import SamplingParams
+    from muser_app.bench.cluster import cluster_lanes
 
     started = []
 
@@ -96,8 +96,8 @@ def test_a_code_variants_daemons_run_that_checkout(cluster_file, tmp_path, monke
         def stop(self):
             pass
 
-    monkeypatch.setattr(muser.procs, "Daemon", Recorded)
-    monkeypatch.setattr(muser.cli.qualify, "qualify", lambda config, progress: None)
+    monkeypatch.setattr(muser_app.procs, "Daemon", Recorded)
+    monkeypatch.setattr(muser_app.cli.qualify, "qualify", lambda config, progress: None)
     config = load_config(cluster_file)
     tree = str(_checkout(tmp_path / "old"))
     settings = {"lane.speculate_branches": "1", "code": tree}
@@ -169,12 +169,12 @@ def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
     ],
 )
 def test_bench_refuses_bad_variants_before_any_work(args, says, capsys, monkeypatch):
-    import muser.fixtures
+    import muser_app.fixtures
 
     def no_fixtures(*a, **k):
         raise AssertionError("the refusal comes first")
 
-    monkeypatch.setattr(muser.fixtures, "build_fixtures", no_fixtures)
+    monkeypatch.setattr(muser_app.fixtures, "build_fixtures", no_fixtures)
     assert main(["bench", "--no-peers", *args]) == 2
     assert says in capsys.readouterr().err
 
@@ -187,9 +187,9 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
     import contextlib
     import json
 
-    import muser.bench_cluster
-    import muser.bench_sessions
-    from muser.benchmark import Sample
+    import muser_app.bench.cluster
+    import muser_app.bench.sessions
+    from muser_app.bench.sample import Sample
 
     built, used = [], []
 
@@ -211,9 +211,9 @@ def test_the_sessions_suite_runs_a_variants_cluster_beside_the_base_one(
         seen["cores"] = cores
         return real_summarise(rates, samples, oracle, cores)
 
-    real_summarise = muser.bench_sessions.summarise_sessions
-    monkeypatch.setattr(muser.bench_sessions, "summarise_sessions", summarise)
-    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
+    real_summarise = muser_app.bench.sessions.summarise_sessions
+    monkeypatch.setattr(muser_app.bench.sessions, "summarise_sessions", summarise)
+    monkeypatch.setattr(muser_app.bench.cluster, "cluster_lanes", fake_cluster)
     receipt = tmp_path / "r.json"
     code = main(["bench", "--suite", "sessions", "--sessions", "1,2", "--temperature", "1",
                  "--max-tokens", "3", "--repeats", "2", "--receipt", str(receipt),
@@ -242,8 +242,8 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     import contextlib
     import json
 
-    import muser.bench_cluster
-    import muser.benchmark
+    import muser_app.bench.cluster
+    import muser_app.bench.run
     from muser.sampling import SamplingParams
 
     def stream(address, prompt, params, draft_len):
@@ -255,21 +255,21 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     def fake_cluster(target, draft, params, **kw):
         lanes = {}
         for d in kw["delays_ms"]:  # the bench's own lane, over a fake stream
-            lanes[f"cluster@{d:g}ms"] = muser.bench_cluster._lane(stream, "a", params, 4, {},
+            lanes[f"cluster@{d:g}ms"] = muser_app.bench.cluster._lane(stream, "a", params, 4, {},
                                                                   None, d / 1000)  # fmt: skip
             lanes[f"cluster@{d:g}ms"].cpus = {"proposer": [0], "verifier": [1, 2]}
         yield lanes
 
-    assert muser.bench_cluster._lane(stream, "a", SamplingParams(), 4, {}).rtt_s == 0.0
+    assert muser_app.bench.cluster._lane(stream, "a", SamplingParams(), 4, {}).rtt_s == 0.0
     seen = {}
 
     def summarise(samples, rtt_s=None, cores=None, **kw):
         seen["cores"], seen["sampled"] = cores, kw.get("sampled")
         return real_summarise(samples, rtt_s, cores, **kw)
 
-    real_summarise = muser.benchmark.summarise
-    monkeypatch.setattr(muser.benchmark, "summarise", summarise)
-    monkeypatch.setattr(muser.bench_cluster, "cluster_lanes", fake_cluster)
+    real_summarise = muser_app.bench.run.summarise
+    monkeypatch.setattr(muser_app.bench.run, "summarise", summarise)
+    monkeypatch.setattr(muser_app.bench.cluster, "cluster_lanes", fake_cluster)
     receipt = tmp_path / "r.json"
     code = main(["bench", "--no-peers", "--prompts", "1", "--max-tokens", "3", "--repeats", "1",
                  "--cluster-delays", "0,20", "--receipt", str(receipt)])  # fmt: skip

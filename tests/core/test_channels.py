@@ -11,7 +11,7 @@ import pytest
 
 from cluster_config.schema import Limits
 from muser.channels import channel_options, server_options
-from muser.netproxy import TcpProxy
+from muser_app.netproxy import TcpProxy
 
 QUICK = Limits(keepalive_s=0.3, keepalive_timeout_s=0.3)
 OFF = Limits(keepalive_s=0)

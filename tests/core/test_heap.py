@@ -8,9 +8,9 @@ import weakref
 import pytest
 
 from muser import heap
-from muser.cli.status import summary
 from muser.metrics import DaemonView, exposition, status_fields
 from muser.stats import DaemonStats, LaneStats
+from muser_app.cli.status import summary
 from tests.metrics.test_exporter import samples
 
 

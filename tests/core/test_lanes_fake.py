@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from muser.sampling import SamplingParams
-from proposer_mac.local_lane import run_local
+from muser_app.lanes.local import run_local
+from muser_app.lanes.plain import run_plain
 from tests.core.fake_backend import FakeBackend
-from verifier_gx.plain import run_plain
 
 PROMPT = [1, 5, 7, 2]
 

@@ -1,4 +1,4 @@
-"""Daemons as child processes (`muser.procs.Daemon`): each start waits for the "listening on"
+"""Daemons as child processes (`muser_app.procs.Daemon`): each start waits for the "listening on"
 line of its own output, in a log that keeps every earlier start's output.
 
 The log holds multi-byte characters (transformers' progress bars: three bytes a block), so
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from muser.procs import Daemon, DaemonError
+from muser_app.procs import Daemon, DaemonError
 
 BAR = "Loading weights: 100%|" + "█" * 10 + "| 92/92\n"
 
@@ -33,7 +33,7 @@ class Scripted(Daemon):
 def test_the_command_is_muser_role_serve_with_the_config(tmp_path):
     daemon = Daemon("proposer", tmp_path / "c.toml", tmp_path)
     assert daemon.command()[1:] == [
-        "-m", "muser.cli.main", "proposer", "serve", "--config", str(tmp_path / "c.toml"),
+        "-m", "muser_app.cli.main", "proposer", "serve", "--config", str(tmp_path / "c.toml"),
     ]  # fmt: skip
 
 

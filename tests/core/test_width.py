@@ -15,7 +15,7 @@ from muser.width import (
     expected_tokens,
     width_policy,
 )
-from proposer_mac.daemon import session_width
+from proposer_mac.core import session_width
 from tests.core.fake_backend import FakeBackend
 
 
@@ -154,7 +154,7 @@ def test_the_lane_width_knob_refuses_other_values():
 
 def test_local_lane_greedy_equals_plain_whatever_the_widths():
     from muser.sampling import SamplingParams
-    from proposer_mac.local_lane import run_local
+    from muser_app.lanes.local import run_local
 
     target, draft = FakeBackend(), FakeBackend(order=1, salt=1)
     params = SamplingParams(temperature=0.0, max_tokens=40)
@@ -170,8 +170,8 @@ def test_local_lane_greedy_equals_plain_whatever_the_widths():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decode_rounds_emit_what_singleton_rounds_and_plain_decode_emit(temperature):
     from muser.sampling import SamplingParams
-    from proposer_mac.local_lane import run_local
-    from verifier_gx.plain import run_plain
+    from muser_app.lanes.local import run_local
+    from muser_app.lanes.plain import run_plain
 
     params = SamplingParams(temperature=temperature, max_tokens=45, seed=4)
     draft = FakeBackend(order=1, salt=1)

@@ -9,7 +9,7 @@ from tests.cluster.conftest import Cluster, make_cluster
 
 @pytest.fixture(scope="module")
 def fixture_pair():
-    from muser.fixtures import build_fixtures
+    from muser_app.fixtures import build_fixtures
 
     return build_fixtures(progress=False).natural
 

@@ -8,7 +8,7 @@ import pytest
 
 from cluster_config import load_config
 from cluster_config.schema import ConfigError
-from muser.cli.config import init_cluster
+from muser_app.cli.config import init_cluster
 from proposer_mac.http_api import served_model_id
 
 

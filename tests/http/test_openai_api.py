@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from muser.fixtures import natural_prompts
+from muser_app.fixtures import natural_prompts
 from proposer_mac.http_api import served_model_id
 from proposer_mac.openai_request import simple_chat_prompt
 from tests.cluster.harness import muser

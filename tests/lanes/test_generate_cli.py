@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from muser.cli.main import main
+from muser_app.cli.main import main
 
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
 
@@ -131,7 +131,7 @@ def test_flags_a_lane_would_not_use_are_refused_before_any_work(capsys, monkeypa
     taken and did nothing (the cluster's file decides them); out-of-range numbers for the
     wire ended in a protobuf traceback. Each is refused, exit 2, before a model loads or a
     daemon is asked."""
-    import muser.cli._common as common
+    import muser_app.cli._common as common
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded")

@@ -15,7 +15,7 @@ import pytest
 
 from muser.sampling import SamplingParams, target_probs
 from muser.width import FixedWidth
-from proposer_mac.local_lane import run_local
+from muser_app.lanes.local import run_local
 from tests.core.fake_backend import FakeBackend
 
 VOCAB, PROMPT, LENGTH = 4, [1, 2], 3

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from muser.fixtures import build_fixtures, natural_prompts, periodic_prompt
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, draft_row, sample_ordered, target_probs
 from muser.verify import judge_round
+from muser_app.fixtures import build_fixtures, natural_prompts, periodic_prompt
+from muser_app.lanes.local import run_local
+from muser_app.lanes.plain import run_plain
 from proposer_mac.backends import load_draft_backend
-from proposer_mac.local_lane import run_local
 from verifier_gx.backends import load_target_backend
-from verifier_gx.plain import run_plain
 
 
 @pytest.fixture(scope="module")

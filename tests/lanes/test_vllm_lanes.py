@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from muser.fixtures import build_fixtures, natural_prompts
 from muser.sampling import SamplingParams
+from muser_app.fixtures import build_fixtures, natural_prompts
+from muser_app.lanes.local import run_local
+from muser_app.lanes.plain import run_plain
 from proposer_mac.backends import load_draft_backend
-from proposer_mac.local_lane import run_local
 from verifier_gx.backends import load_target_backend
-from verifier_gx.plain import run_plain
 
 pytestmark = pytest.mark.vllm
 
@@ -75,12 +75,12 @@ def test_greedy_local_lane_on_vllm_equals_torch_plain(natural) -> None:
 
 def test_generate_cli_on_vllm_prints_clean_json_equal_to_torch(natural) -> None:
     """Regression: vLLM logs to stdout by default, which broke `muser generate --json`."""
-    from muser.cli._common import encode_prompt
+    from muser_app.cli._common import encode_prompt
 
     tok, torch_target, _, _ = natural
     text = natural_prompts(1)[0]
     out = subprocess.run(
-        [sys.executable, "-m", "muser.cli.main", "generate", "--lane", "plain"]
+        [sys.executable, "-m", "muser_app.cli.main", "generate", "--lane", "plain"]
         + ["--target-backend", "vllm", "--prompt", text, "--max-tokens", "64", "--json"],
         capture_output=True,
         text=True,
@@ -96,7 +96,7 @@ def test_generate_cli_on_vllm_prints_clean_json_equal_to_torch(natural) -> None:
 def test_greedy_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_path) -> None:
     """Real daemons on loopback, the verifier's target under vLLM (qualified for real on that
     backend): 3 prompts x 128 greedy tokens equal torch's plain decode."""
-    from muser.cli.cluster_client import stream_generate
+    from muser_app.cli.cluster_client import stream_generate
     from tests.cluster.conftest import make_cluster
 
     tok, torch_target, _, _ = natural
@@ -125,7 +125,7 @@ def test_vllm_speculative_peer_equals_torch_plain(natural) -> None:
     process): 3 prompts x 256 greedy tokens equal torch's plain decode, and it did speculate."""
     from pathlib import Path
 
-    from muser.benchmark import vllm_speculative_lane
+    from muser_app.bench.lanes import vllm_speculative_lane
 
     tok, torch_target, _, _ = natural
     pair = build_fixtures(progress=False).natural

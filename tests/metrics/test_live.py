@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from muser.cli.cluster_client import stream_generate
 from muser.sampling import SamplingParams
+from muser_app.cli.cluster_client import stream_generate
 from tests.cluster.conftest import make_cluster
 from tests.cluster.harness import muser
 from tests.metrics.test_exporter import samples

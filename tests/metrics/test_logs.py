@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from muser import logs
-from muser.cli.main import build_parser
 from muser.sampling import SamplingParams
+from muser_app.cli.main import build_parser
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from muser.cli.status import summary
+from muser_app.cli.status import summary
 
 
 def test_the_verifier_shows_its_target_batches_and_queue():

@@ -4,7 +4,7 @@ share the natural fixture pair's torch draft."""
 import pytest
 from transformers import AutoTokenizer
 
-from muser.fixtures import build_fixtures, natural_prompts
+from muser_app.fixtures import build_fixtures, natural_prompts
 from proposer_mac.backends import load_draft_backend
 from tests.verifier.conftest import key_set  # noqa: F401  (a fixture, re-exported)
 

@@ -20,8 +20,8 @@ import pytest
 
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, argmax_lowest
+from muser_app.lanes.local import run_local
 from proposer_mac.drafting import Branch, Draft, Drafter
-from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.proposer.test_draft_batch import assert_rows_close
 from tests.proposer.test_generate_service import start, stop
@@ -245,7 +245,7 @@ def test_the_draft_queue_counts_jobs_until_their_results_are_out():
         gate = threading.Event()
         pool.submit(gate.wait, 10)  # the draft thread is busy
         drafter = Drafter(FakeBackend(), GREEDY)
-        futures = [queue.submit(drafter, drafter.draft_steps(PROMPT, STATE, 2)) for _ in "ab"]
+        futures = [queue.draft(drafter, drafter.draft_steps(PROMPT, STATE, 2)) for _ in "ab"]
         counts = [queue.pending]
         gate.set()
         await asyncio.gather(*futures)

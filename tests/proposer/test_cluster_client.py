@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from muser.cli.cluster_client import ClusterClientError, ClusterRefusedError, stream_generate
 from muser.sampling import SamplingParams
+from muser_app.cli.cluster_client import ClusterClientError, ClusterRefusedError, stream_generate
 from tests.proposer.test_generate_service import PARAMS, PROMPT, start, stop
 
 
@@ -101,7 +101,7 @@ def _scripted(monkeypatch, script):
 
     import grpc
 
-    import muser.cli.cluster_client as cc
+    import muser_app.cli.cluster_client as cc
     from muser.wire import muser_v2_pb2_grpc as pb_grpc
 
     class Unavailable(grpc.RpcError):

@@ -23,8 +23,8 @@ from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, argmax_lowest, draft_row, sample_ordered
 from muser.wire import muser_v2_pb2 as pb
+from muser_app.lanes.local import run_local
 from proposer_mac.drafting import Draft, Drafter, run_together
-from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.proposer.test_generate_service import start, stop
 from tests.verifier.conftest import PROMPT
@@ -280,7 +280,7 @@ async def test_a_sessions_second_job_runs_after_its_first_never_beside_it(monkey
         gate = threading.Event()
         pool.submit(gate.wait)  # the draft thread is busy: the jobs wait together
         queue = draft_queue.DraftQueue(pool, batch_with=batch_with)
-        futures = [queue.submit(drafter, steps) for drafter, steps in jobs]
+        futures = [queue.draft(drafter, steps) for drafter, steps in jobs]
         gate.set()
         results = [r for r, _ in await asyncio.gather(*futures)]
         assert results == [steps for _, steps in jobs]

@@ -13,8 +13,8 @@ from muser.sampling import SamplingParams
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from muser_app.lanes.local import run_local
 from proposer_mac.daemon import create_server
-from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import PROMPT, Verifier, make_config
 from tests.verifier.lane_client import identity_of
@@ -212,7 +212,7 @@ async def test_a_verifier_target_with_another_tokenizer_is_refused(key_set, tmp_
 
 @pytest.mark.asyncio
 async def test_an_unreachable_verifier_is_named_when_the_identity_is_needed(key_set, tmp_path):
-    from muser.cli.config import free_port
+    from muser_app.cli.config import free_port
 
     cfg = make_config(key_set, tmp_path / "wal")
     cfg = cfg.model_copy(
@@ -290,7 +290,7 @@ async def test_lane_lookahead_names_rounds_ahead_and_never_changes_the_tokens(ke
     ],
 )
 def test_lookahead_auto_is_off_for_a_verifier_on_this_machine(setting, address, on):
-    from proposer_mac.daemon import lookahead_on
+    from proposer_mac.core import lookahead_on
 
     assert lookahead_on(setting, address) is on
 
@@ -612,12 +612,12 @@ async def test_a_draft_that_fails_after_a_result_still_commits_that_result(
     does), and its tokens reach clients before the session's error; the same when the draft
     was to go out on the round's decision."""
     from proposer_mac import journal
-    from proposer_mac.driver import SessionRunner
+    from proposer_mac.ahead import DraftingAhead
 
     async def dead_draft(self, *args, **kw):
         raise RuntimeError("the draft backend died")
 
-    monkeypatch.setattr(SessionRunner, "_take", dead_draft)  # the draft made ahead
+    monkeypatch.setattr(DraftingAhead, "take", dead_draft)  # the draft made ahead
     twin = FakeBackend()  # the target's twin: its guesses hold, so round 1 would go ahead
     c = await start(key_set, tmp_path, lane={"send_on_decision": ahead}, draft=twin)
     core = c.server.core

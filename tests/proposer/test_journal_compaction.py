@@ -14,12 +14,13 @@ import pytest_asyncio
 
 import wal
 from muser.records import RoundResult, Signed
+from muser_app.cli.wal import DAEMON_INTERPRETERS
 from proposer_mac import journal
 from tests.proposer.restart import proposer_again
 from tests.proposer.test_generate_service import PARAMS, start, stop
 from tests.verifier.conftest import PROMPT
 from wal.base import Snapshot
-from wal.interpret import load_builtin_interpreters
+from wal.interpret import load_interpreters
 from wal.tools import verify_log
 
 pytestmark = pytest.mark.asyncio
@@ -79,7 +80,7 @@ async def test_sessions_ending_past_the_threshold_compact_and_a_restart_serves_t
         config = core.config
     finally:
         await stop(c)
-    load_builtin_interpreters()  # as `muser wal verify` does
+    load_interpreters(DAEMON_INTERPRETERS)  # as `muser wal verify` does
     result = verify_log(config.proposer.wal_dir / "journal", pubkeys(key_set))
     assert result.ok, result.failure
     assert "proposer-journal" in result.chain_checked_by and result.snapshots >= 1
@@ -199,7 +200,7 @@ async def test_a_compaction_cut_short_at_any_step_restarts_to_the_same_sessions(
     finally:
         await stop(c)
     assert len(states) >= 4  # before and after the rename, and at least two segments dropped
-    load_builtin_interpreters()
+    load_interpreters(DAEMON_INTERPRETERS)
     for state in states:
         result = verify_log(state / "journal", pubkeys(key_set))
         assert result.ok, (state.name, result.failure)

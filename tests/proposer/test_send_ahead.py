@@ -2,7 +2,7 @@
 the head predicted from a decision is the one the verifier's result carries, the journal
 replays a request journaled ahead (in flight once the round before commits to the head it
 expects, void otherwise), and a proposer restarted between the two finishes the session with
-the same tokens (proposer_mac/journal.py, proposer_mac/driver.py `_send_ahead`)."""
+the same tokens (proposer_mac/journal.py, proposer_mac/send_ahead.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from muser.canonical import Writer
 from muser.errors import RefusedError
 from muser.records import RoundRequest, Signed
 from muser.sampling import SamplingParams
+from muser_app.lanes.local import run_local
 from proposer_mac import journal
-from proposer_mac.local_lane import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.proposer.restart import proposer_again
 from tests.proposer.test_generate_service import start, stop

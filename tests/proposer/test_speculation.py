@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from muser.fixtures import build_fixtures, natural_prompts
 from muser.mt19937 import Mt19937
 from muser.round import plan_depth
 from muser.sampling import SamplingParams, target_probs
 from muser.verify import judge_round
+from muser_app.fixtures import build_fixtures, natural_prompts
 from proposer_mac.backends import load_draft_backend
 from proposer_mac.drafting import Drafter
 from verifier_gx.backends import load_target_backend

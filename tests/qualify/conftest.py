@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def fixture_pair():
-    from muser.fixtures import build_fixtures
+    from muser_app.fixtures import build_fixtures
 
     return build_fixtures(progress=False).natural
 
@@ -17,7 +17,7 @@ def fixture_pair():
 @pytest.fixture
 def new_cluster(tmp_path, fixture_pair):
     """`new_cluster(target=None) -> cluster.toml` in a fresh directory, fresh keys."""
-    from muser.cli.config import init_cluster
+    from muser_app.cli.config import init_cluster
 
     made = []
 

@@ -22,8 +22,8 @@ _EVIDENCE: dict[bytes, q.Evidence] = {}
 def qualified_receipt(config: ClusterConfig) -> q.Receipt:
     """Write a receipt qualifying `config`'s lane to lane.receipt, signed by its verifier."""
     from muser import keys
-    from muser.cli.qualify import qualify
-    from muser.fixtures import natural_prompts
+    from muser_app.cli.qualify import qualify
+    from muser_app.fixtures import natural_prompts
 
     binding = q.binding_of(config)
     evidence = _EVIDENCE.get(binding.key())

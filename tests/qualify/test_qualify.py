@@ -20,11 +20,11 @@ import pytest
 from cluster_config import load_config
 from cluster_config import qualification as q
 from muser import keys
-from muser.cli.main import main
 from muser.errors import RefusedError
-from muser.fixtures import natural_prompts
 from muser.identity import model_identity
 from muser.round import DEFAULT_Q_TOP_K
+from muser_app.cli.main import main
+from muser_app.fixtures import natural_prompts
 from tests.qualify.receipts import qualified_receipt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 def serve_subprocess(config: Path) -> subprocess.CompletedProcess:
     """`muser verifier serve` as a real process; a refusal exits long before the timeout."""
     return subprocess.run(
-        [sys.executable, "-m", "muser.cli.main", "verifier", "serve", "--config", str(config)],
+        [sys.executable, "-m", "muser_app.cli.main", "verifier", "serve", "--config", str(config)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -365,7 +365,7 @@ def test_qualify_refuses_bad_arguments_before_loading_models(new_cluster, tmp_pa
 
 
 def test_prompts_file_is_jsonl_of_strings_or_objects(tmp_path):
-    from muser.cli.qualify import read_prompts
+    from muser_app.cli.qualify import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text('"one\\nline two"\n\n{"prompt": "three"}\n')

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from muser.testing import make_tiny_checkpoint
+from muser_app.testing import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"

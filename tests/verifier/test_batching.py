@@ -21,7 +21,7 @@ import pytest
 from muser.backend import ModelBackend, MultiSequenceBackend, batches, evaluate_batch
 from muser.errors import ContextOverflowError, ModelLoadError, TokenOutOfVocabularyError
 from muser.sampling import SamplingParams
-from proposer_mac.local_lane import run_local
+from muser_app.lanes.local import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import PROMPT, Verifier, make_config
 from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
@@ -42,7 +42,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from muser.testing import make_tiny_checkpoint
+    from muser_app.testing import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("batch-ckpt")
     return make_tiny_checkpoint(root / "llama", seed=0, layers=2)
@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def torch_target(tiny):
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_torch.backend import TorchBackend
 
     return TorchBackend(tiny)
 
@@ -110,7 +110,8 @@ def test_a_refused_batch_moves_no_sequence(torch_target):
 def test_a_forward_failing_midway_moves_no_sequence(tiny, torch_target, monkeypatch):
     """Refused in the second layer, after the first stored its keys past each length: the
     lengths stay, and the next forward gives the rows of sequences that never failed."""
-    from verifier_gx.backends.torch_backend import TorchBackend, TorchSequence
+    from muser_torch.backend import TorchBackend
+    from muser_torch.batched import TorchSequence
 
     fresh = TorchBackend(tiny)
     seqs = [torch_target.sequence() for _ in range(2)]
@@ -147,8 +148,8 @@ def test_capture_on_a_sequence_equals_the_backend_capture(torch_target):
 
 
 def test_sliding_window_model_keeps_the_shared_kv(tmp_path):
-    from muser.testing import make_tiny_checkpoint
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_app.testing import make_tiny_checkpoint
+    from muser_torch.backend import TorchBackend
 
     path = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral", sliding_window=4)
     target = TorchBackend(path)
@@ -210,13 +211,13 @@ async def test_batches_are_first_in_first_out_and_bounded():
 
     sizes: list[tuple[int, int]] = []
     batcher = RoundBatcher(run, max_batch=2, max_queue=3, on_batch=lambda *a: sizes.append(a))
-    first = asyncio.ensure_future(batcher.submit("a"))
+    first = asyncio.ensure_future(batcher.enqueue("a"))
     await asyncio.sleep(0.05)  # "a" computes alone: nothing waits for a batch to fill
-    rest = [asyncio.ensure_future(batcher.submit(x)) for x in ("b", "boom", "d")]
+    rest = [asyncio.ensure_future(batcher.enqueue(x)) for x in ("b", "boom", "d")]
     await asyncio.sleep(0.05)
     assert batcher.depth == 3
     with pytest.raises(RoundQueueFullError) as refused:
-        await batcher.submit("e")
+        await batcher.enqueue("e")
     assert str(refused.value).startswith(
         "the verifier's round queue is full: 3 rounds waiting, limits.round_queue is 3"
     )
@@ -236,7 +237,7 @@ async def test_a_batch_that_raises_refuses_each_of_its_rounds():
 
     batcher = RoundBatcher(run, max_batch=4, max_queue=4)
     with pytest.raises(RuntimeError, match="target down"):
-        await batcher.submit(1)
+        await batcher.enqueue(1)
     with pytest.raises(ValueError, match="must be >= 1"):
         RoundBatcher(run, max_batch=0, max_queue=1)
 
@@ -325,7 +326,7 @@ async def test_full_queue_refuses_with_resource_exhausted_and_writes_nothing(key
         first = asyncio.ensure_future(streams[0].round_trip(signed[0]))
         await until(v.backend.entered.is_set)  # a computes (and holds the target)
         second = asyncio.ensure_future(streams[1].round_trip(signed[1]))
-        await until(lambda: v.manager.batcher.depth == 1)  # b waits: the queue is full
+        await until(lambda: v.manager.rounds.batcher.depth == 1)  # b waits: the queue is full
         before = v.snapshot(c.session_id)
         msg, fragments = await streams[2].round_trip(signed[2])
         code, reason, message = error_of(msg)
@@ -382,7 +383,7 @@ async def test_rounds_waiting_together_run_in_one_forward_in_arrival_order(key_s
             if i == 0:
                 await until(v.backend.entered.is_set)
             else:
-                await until(lambda n=i: v.manager.batcher.depth == n)
+                await until(lambda n=i: v.manager.rounds.batcher.depth == n)
         v.backend.gate.set()
         for cl, r, p in zip(clients, requests, pending, strict=True):
             cl.accept(r, (await p)[0])
@@ -420,7 +421,7 @@ async def test_one_rounds_failure_does_not_fail_its_batch(key_set, tmp_path):
             asyncio.ensure_future(st.round_trip(s))
             for st, s in zip(streams[1:], signed[1:], strict=True)
         ]
-        await until(lambda: v.manager.batcher.depth == 2)
+        await until(lambda: v.manager.rounds.batcher.depth == 2)
         before = v.snapshot(bad.session_id)
         v.backend.gate.set()
         blocker.accept(requests[0], (await pending[0])[0])
@@ -468,7 +469,7 @@ async def test_a_stalled_session_does_not_hold_the_others(key_set, tmp_path):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["fake", "torch"])
 async def test_evicted_sessions_rebuild_to_the_same_decisions(key_set, tmp_path, kind, tiny):
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_torch.backend import TorchBackend
 
     factory = SequencedFake if kind == "fake" else (lambda: TorchBackend(tiny))
     ids = [bytes([i]) * 16 for i in range(3)]
@@ -499,7 +500,7 @@ async def test_evicted_sessions_rebuild_to_the_same_decisions(key_set, tmp_path,
 @pytest.mark.asyncio
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 async def test_concurrent_sessions_on_torch_equal_the_local_lane(key_set, tmp_path, tiny, params):
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_torch.backend import TorchBackend
 
     v = await started(key_set, tmp_path, lambda: TorchBackend(tiny))
     try:

@@ -16,16 +16,16 @@ import grpc
 import pytest
 
 from cluster_config.schema import ConfigError
-from muser.cli import verifier as verifier_cli
-from muser.cli.config import free_ports
 from muser.keys import key_id
 from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
-from proposer_mac.local_lane import run_local
+from muser_app.cli import verifier as verifier_cli
+from muser_app.cli.config import free_ports
+from muser_app.lanes.local import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import PROMPT
 from tests.verifier.lane_client import LaneClient, identity_of
-from verifier_gx.journal import VerifierJournal
+from verifier_gx.journal_check import VerifierJournal
 from wal.log import FileLog
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ import verifier_gx.daemon  # so no receipt names a qualified draft either
 verifier_gx.daemon._qualified_draft = lambda config: None
 import cluster_config.rules as rules  # nor a checkpoint directory to check
 rules.RULES = tuple(r for r in rules.RULES if r is not rules.model_directories)
-from muser.cli.verifier import register
+from muser_app.cli.verifier import register
 parser = argparse.ArgumentParser(prog="muser")
 register(parser.add_subparsers(), "verifier", "verifier daemon")
 args = parser.parse_args(sys.argv[1:])
@@ -136,7 +136,7 @@ async def test_serve_kill_restart_and_clean_stop(key_set, tmp_path):
 
 
 def test_config_errors_exit_2(tmp_path, key_set, capsys):
-    from muser.cli import main as cli_main
+    from muser_app.cli import main as cli_main
 
     parser = argparse.ArgumentParser(prog="muser")
     verifier_cli.register(parser.add_subparsers(), "verifier", "verifier daemon")
@@ -145,7 +145,7 @@ def test_config_errors_exit_2(tmp_path, key_set, capsys):
         args.func(args)
     assert caught.value.exit_code == 2 and "missing.toml" in str(caught.value)
     # through the dispatcher, once the subcommand is in its table
-    table = {"verifier": ("muser.cli.verifier", "verifier daemon")}
+    table = {"verifier": ("muser_app.cli.verifier", "verifier daemon")}
     bad = write_config(key_set, tmp_path)
     bad.write_text(bad.read_text().replace("[verifier]", "[verifier]\nport = 1"))
     with pytest.MonkeyPatch.context() as mp:

@@ -71,7 +71,7 @@ async def test_a_close_queued_behind_a_resume_is_fenced_off(key_set, tmp_path):
         await c.open_session()  # b holds the session from its start, at epoch 1
         sid, m = c.session_id, b.manager
         old = key_set.proposer.sign(close_message(sid, 1))
-        lock = m._lock(sid)
+        lock = m.lock(sid)
         await lock.acquire()  # a round in progress
         c.epoch = 2
         resume = asyncio.ensure_future(c.resume_session())
@@ -95,7 +95,7 @@ async def test_a_reopen_queued_behind_a_close_is_refused_as_closed(key_set, tmp_
     try:
         c = v.client(PARAMS)
         await c.open_session()
-        lock = v.manager._lock(c.session_id)
+        lock = v.manager.lock(c.session_id)
         await lock.acquire()  # a round in progress
         close = asyncio.ensure_future(close_call(v, c))
         await asyncio.sleep(0.05)

@@ -14,13 +14,15 @@ from muser.errors import JournalError
 from muser.keys import key_id
 from muser.records import Signed, close_message, state_digest
 from muser.wire import muser_v2_pb2 as pb
+from muser_app.cli.wal import DAEMON_INTERPRETERS
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import Verifier, make_config
 from tests.verifier.test_recovery import PARAMS, uncrashed
-from verifier_gx import compaction, journal
-from verifier_gx.journal import VerifierJournal
+from verifier_gx import compaction, journal, journal_check
+from verifier_gx.journal_check import VerifierJournal
+from verifier_gx.replay import Replay, SessionState
 from wal.base import Snapshot
-from wal.interpret import load_builtin_interpreters
+from wal.interpret import load_interpreters
 from wal.log import FileLog
 from wal.tools import verify_log
 
@@ -69,10 +71,10 @@ def pubkeys(key_set) -> list[bytes]:
     return [(key_set.dir / f"{name}.pub").read_bytes() for name in ("verifier", "proposer")]
 
 
-def held(replay: journal.Replay) -> tuple[dict, dict]:
+def held(replay: Replay) -> tuple[dict, dict]:
     """Everything a replay holds, comparable."""
 
-    def of(s: journal.SessionState) -> tuple:
+    def of(s: SessionState) -> tuple:
         return (s.open.encode(), s.epoch, s.prompt, s.open_signature, s.transcript, s.head,
                 state_digest(s.mt), s.next_round, s.produced, s.done, s.committed)  # fmt: skip
 
@@ -102,7 +104,7 @@ async def test_closing_past_the_threshold_compacts_and_a_restart_goes_on_the_sam
         summary = v.manager.replay.closed[closed.session_id]
     finally:
         await v.stop()
-    load_builtin_interpreters()  # as `muser wal verify` does: both daemons' interpreters
+    load_interpreters(DAEMON_INTERPRETERS)  # as `muser wal verify` does: both daemons' interpreters
     result = verify_log(config.verifier.wal_dir / "commit", pubkeys(key_set))
     assert result.ok, result.failure
     assert "verifier-journal" in result.chain_checked_by and result.snapshots >= 1
@@ -180,7 +182,7 @@ def records_of_a_run(key_set, tmp_path):
         finally:
             await v.stop()
             await elsewhere.stop()
-        assert [journal.describe(p)["entry"] for _, p in records].count("resume") == 1
+        assert [journal_check.describe(p)["entry"] for _, p in records].count("resume") == 1
         return records
 
     return asyncio.run(run())
@@ -196,12 +198,12 @@ async def test_replay_from_a_snapshot_at_any_record_equals_the_whole_replay(
 ):
     records = records_of_a_run
     vkeys, pkeys = keys_of(key_set)
-    whole = journal.Replay()
+    whole = Replay()
     for _, payload in records:
         whole.apply(journal.decode(payload))
     checker = VerifierJournal()
     for cut in range(len(records) + 1):
-        before = journal.Replay()
+        before = Replay()
         for _, payload in records[:cut]:
             before.apply(journal.decode(payload))
         data = compaction.snapshot_of(before)
@@ -217,7 +219,7 @@ async def test_replay_from_a_snapshot_at_any_record_equals_the_whole_replay(
 
 def altered(records, change) -> bytes:
     """The snapshot of the whole run, with one open session's state changed by `change`."""
-    replay = journal.Replay()
+    replay = Replay()
     for _, payload in records:
         replay.apply(journal.decode(payload))
     sid, state = next((sid, s) for sid, s in replay.sessions.items() if not s.done)
@@ -278,7 +280,7 @@ async def test_an_altered_snapshot_fails_wal_verify_and_the_daemon_refuses_it(
     assert says in report.first_bad.reason
     unkeyed = VerifierJournal().verify(records, snapshot=Snapshot(last, data))
     assert unkeyed.ok == needs_keys  # a forged signature needs the keys to be seen
-    failure = journal.WalInterpreter().check_chain(
+    failure = journal_check.WalInterpreter().check_chain(
         [dataclasses.make_dataclass("R", ["seq", "payload"])(s, p) for s, p in records],
         pubkeys(key_set),
         Snapshot(last, data),
@@ -300,10 +302,10 @@ async def test_the_other_daemons_snapshot_is_left_to_its_interpreter(records_of_
 
     records = [dataclasses.make_dataclass("R", ["seq", "payload"])(s, p) for s, p in records_of_a_run]  # fmt: skip
     theirs = proposer_journal.snapshot_of({}, keep_finished=1)
-    assert journal.WalInterpreter().check_chain(records, [], Snapshot(1, theirs)) is None
-    ours = compaction.snapshot_of(journal.Replay())
+    assert journal_check.WalInterpreter().check_chain(records, [], Snapshot(1, theirs)) is None
+    ours = compaction.snapshot_of(Replay())
     assert proposer_journal.WalInterpreter().check_chain([], [], Snapshot(1, ours)) is None
-    junk = journal.WalInterpreter().check_chain(records, [], Snapshot(3, b"not a snapshot"))
+    junk = journal_check.WalInterpreter().check_chain(records, [], Snapshot(3, b"not a snapshot"))
     assert junk and junk.startswith("snapshot at seq 3:")
 
 
@@ -332,7 +334,7 @@ async def test_a_compaction_cut_short_at_any_step_restarts_to_the_same_sessions(
     finally:
         await v.stop()
     assert len(states) >= 4  # before and after the rename, and at least two segments dropped
-    load_builtin_interpreters()
+    load_interpreters(DAEMON_INTERPRETERS)
     for state in states:
         result = verify_log(state / "commit", pubkeys(key_set))
         assert result.ok, (state.name, result.failure)

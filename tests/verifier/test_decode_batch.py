@@ -112,8 +112,8 @@ def test_one_rounds_failure_leaves_the_others_whole():
 
 @pytest.fixture(scope="module")
 def torch_target(tmp_path_factory):
-    from muser.testing import make_tiny_checkpoint
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_app.testing import make_tiny_checkpoint
+    from muser_torch.backend import TorchBackend
 
     root = tmp_path_factory.mktemp("decode-batch-ckpt")
     return TorchBackend(make_tiny_checkpoint(root / "llama", seed=0, layers=2))

@@ -25,7 +25,7 @@ import pytest
 from muser.records import RoundResult
 from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2 as pb
-from proposer_mac.local_lane import run_local
+from muser_app.lanes.local import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import PROMPT
 from verifier_gx.executor import TargetExecutor, witness_batch
@@ -38,8 +38,8 @@ TRANSCRIPT = [2, 9, 4, 7, 1]
 
 @pytest.fixture(scope="module")
 def torch_target(tmp_path_factory):
-    from muser.testing import make_tiny_checkpoint
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_app.testing import make_tiny_checkpoint
+    from muser_torch.backend import TorchBackend
 
     return TorchBackend(make_tiny_checkpoint(tmp_path_factory.mktemp("ahead") / "m", layers=2))
 

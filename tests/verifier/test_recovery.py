@@ -16,7 +16,8 @@ from muser.sampling import SamplingParams
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import Verifier, make_config
 from verifier_gx import journal
-from verifier_gx.journal import VerifierJournal
+from verifier_gx.journal_check import VerifierJournal
+from verifier_gx.replay import Replay
 from wal.log import FileLog
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=48, seed=21)
@@ -156,7 +157,7 @@ async def test_a_closed_session_leaves_only_its_summary(key_set, tmp_path):
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        replay = journal.Replay()
+        replay = Replay()
         for _, payload in records:
             replay.apply(journal.decode(payload))
         held = tracemalloc.get_traced_memory()[0] - before

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from muser import keys
+from muser.errors import JournalError
 from muser.mt19937 import Mt19937
 from muser.records import RoundResult, Signed, sha256, state_digest, tokens_bytes
 from muser.sampling import SamplingParams
@@ -19,8 +20,9 @@ from muser.wire import muser_v2_pb2 as pb
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import Verifier, make_config
 from tests.verifier.test_open import refused
-from verifier_gx import journal
-from verifier_gx.journal import VerifierJournal
+from verifier_gx import journal, journal_check
+from verifier_gx.journal_check import VerifierJournal
+from verifier_gx.replay import Replay
 from wal.log import FileLog
 
 pytestmark = pytest.mark.asyncio
@@ -305,7 +307,7 @@ async def test_a_tampered_resume_entry_does_not_replay(moved, other, key_set):
     payload = next(iter(b.manager.log.records(1))).payload
     entry = journal.decode(payload)
     both = {keys.key_id(k): k for k in (key_set.verifier.public_key(), other[0].public_key())}
-    assert journal.Replay(verifier_keys=both).apply(entry).next_round == 3
+    assert Replay(verifier_keys=both).apply(entry).next_round == 3
     mt = Mt19937.from_bytes(entry.mt)
     mt.uniform_f64()
     generated = (*entry.generated[:-1], (entry.generated[-1] + 1) % 24)
@@ -314,13 +316,13 @@ async def test_a_tampered_resume_entry_does_not_replay(moved, other, key_set):
         (dataclasses.replace(entry, generated=generated), "transcript"),
         (dataclasses.replace(entry, epoch=0), "epoch"),
     ):
-        with pytest.raises(journal.JournalError, match=words):
-            journal.Replay(verifier_keys=both).apply(journal.decode(journal.encode(bad)))
+        with pytest.raises(JournalError, match=words):
+            Replay(verifier_keys=both).apply(journal.decode(journal.encode(bad)))
     proposers = {client.key_id: key_set.proposer.public_key()}
-    replay = journal.Replay(verifier_keys=both, proposer_keys=proposers)
+    replay = Replay(verifier_keys=both, proposer_keys=proposers)
     assert replay.apply(entry).head == client.head
     forged = dataclasses.replace(entry, signature=key_set.stranger.sign(b"x"))
-    with pytest.raises(journal.JournalError, match="signature"):
-        journal.Replay(verifier_keys=both, proposer_keys=proposers).apply(forged)
-    described = journal.describe(payload)
+    with pytest.raises(JournalError, match="signature"):
+        Replay(verifier_keys=both, proposer_keys=proposers).apply(forged)
+    described = journal_check.describe(payload)
     assert described["entry"] == "resume" and described["after_round"] == 2

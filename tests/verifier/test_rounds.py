@@ -15,10 +15,10 @@ from muser.records import RoundResult, SessionOpen, Signed, sha256
 from muser.sampling import SamplingParams
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
-from proposer_mac.local_lane import run_local
+from muser_app.lanes.local import run_local
 from tests.core.fake_backend import FakeBackend
 from tests.verifier.conftest import PROMPT, CaptureBackend, Verifier, make_config
-from verifier_gx.journal import VerifierJournal
+from verifier_gx.journal_check import VerifierJournal
 
 pytestmark = pytest.mark.asyncio
 
@@ -52,7 +52,7 @@ def check_chain(open_: SessionOpen, results: list[Signed], public) -> None:
     ids=["greedy", "sampled", "sampled-empty-draft", "sampled-wide"],
 )
 async def test_session_equals_local_lane_and_heads_chain(verifier, params, draft_len, q_top_k):
-    verifier.manager.max_drafts = max(4, draft_len)  # a lane of up to 6 (lane.draft_len_max)
+    verifier.manager.rounds.max_drafts = max(4, draft_len)  # a lane of up to 6 (lane.draft_len_max)
     client = verifier.client(params, draft_len=draft_len, q_top_k=q_top_k)
     reply = await client.open_session()
     assert reply.head == reply.genesis_head == client.open.genesis_head()
@@ -206,8 +206,8 @@ def as_message(outcome) -> pb.VerifierMessage:
 async def test_the_decision_is_told_before_the_result_is_signed_or_committed(verifier, caplog):
     client = verifier.client(GREEDY)
     await client.open_session()
-    counting = _CountingKey(verifier.manager.computer.signing_key)
-    verifier.manager.computer.signing_key = counting
+    counting = _CountingKey(verifier.manager.rounds.computer.signing_key)
+    verifier.manager.rounds.computer.signing_key = counting
     seen = []
 
     def decided(d) -> None:  # in the worker thread

@@ -8,14 +8,14 @@ import pytest
 from pydantic import ValidationError
 
 from cluster_config.schema import Limits
-from muser.bench_sessions import (
+from muser_app.bench.sample import Sample
+from muser_app.bench.sessions import (
     format_sessions,
     label,
     parse_label,
     run_sessions_bench,
     summarise_sessions,
 )
-from muser.benchmark import Sample
 
 
 def test_limits_defaults_and_refusals():
@@ -163,7 +163,7 @@ def test_a_pinned_clusters_rows_get_the_bound_of_its_busiest_core():
 
 
 def test_a_wave_reads_the_lanes_daemons_around_all_its_runs():
-    from muser.bench_sessions import run_concurrent
+    from muser_app.bench.sessions import run_concurrent
 
     class FakeDaemon:
         def __init__(self, *readings):

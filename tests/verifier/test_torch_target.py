@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from muser.sampling import SamplingParams
-from proposer_mac.local_lane import run_local
+from muser_app.lanes.local import run_local
 from tests.verifier.conftest import PROMPT, Verifier, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from muser.testing import make_tiny_checkpoint
+    from muser_app.testing import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return make_tiny_checkpoint(root / "target", seed=0), make_tiny_checkpoint(
@@ -23,7 +23,7 @@ def pair(tmp_path_factory):
 
 
 async def test_torch_target_through_the_config(key_set, tmp_path, pair, monkeypatch):
-    from verifier_gx.backends.torch_backend import TorchBackend
+    from muser_torch.backend import TorchBackend
 
     monkeypatch.setenv("MUSER_CACHE_DIR", str(tmp_path / "cache"))
     target_dir, draft_dir = pair

@@ -21,9 +21,10 @@ if HERE not in sys.path:
 @pytest.fixture(autouse=True)
 def wal_alone(monkeypatch):
     """The wal tests test the log and its hook on their own: no daemon interpreters."""
+    from muser_app.cli import wal as cli_wal
     from wal import interpret
 
-    monkeypatch.setattr(interpret, "BUILTIN_INTERPRETERS", ())
+    monkeypatch.setattr(cli_wal, "DAEMON_INTERPRETERS", ())
     monkeypatch.setattr(interpret, "_registry", [])
 
 
@@ -107,7 +108,7 @@ def run_cli(monkeypatch):
 
     Only the wal subcommand is registered, so this test does not depend on the modules
     other subcommands need."""
-    import muser.cli.main as cli_main
+    import muser_app.cli.main as cli_main
 
     monkeypatch.setattr(cli_main, "SUBCOMMANDS", {"wal": cli_main.SUBCOMMANDS["wal"]})
 

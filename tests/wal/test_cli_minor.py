@@ -110,9 +110,9 @@ def test_a_class_that_needs_arguments_is_refused(tmp_path, run_cli):
 def test_a_builtin_interpreter_that_cannot_be_imported_stays_a_runtime_error(
     tmp_path, run_cli, monkeypatch
 ):
-    from wal import interpret
+    from muser_app.cli import wal as cli_wal
 
-    monkeypatch.setattr(interpret, "BUILTIN_INTERPRETERS", ("no_such_builtin_xyz:X",))
+    monkeypatch.setattr(cli_wal, "DAEMON_INTERPRETERS", ("no_such_builtin_xyz:X",))
     code, _, err = run_cli("inspect", a_log(tmp_path / "log"))
     assert code == 3  # the installation is broken, not the operator's input
     assert "cannot import record interpreter module 'no_such_builtin_xyz'" in err

@@ -359,7 +359,7 @@ def test_a_bug_in_the_write_function_fails_the_batch_as_an_io_error():
 
     group = GroupCommit(write, lambda ticket: None, lambda seq: None, "test")
     with pytest.raises(WalIOError) as info:
-        group.submit(b"a")
+        group.commit(b"a")
     assert str(info.value) == "write to test raised ValueError('bug')"
     assert group.failed == (
         "write to test raised ValueError('bug'); the log refuses appends until it is reopened"
@@ -373,7 +373,7 @@ def test_a_bug_in_the_sync_function_fails_the_batch_as_an_io_error():
 
     group = GroupCommit(lambda payloads: (1, "ticket"), sync, lambda seq: None, "test")
     with pytest.raises(WalIOError) as info:
-        group.submit(b"a")
+        group.commit(b"a")
     assert str(info.value) == "fsync of test raised RuntimeError('bug')"
     group.close()
 
@@ -487,7 +487,7 @@ class TwoBatches:
     def append(self, name: str) -> threading.Thread:
         def run():
             try:
-                self.outcome[name] = self.group.submit(name.encode())
+                self.outcome[name] = self.group.commit(name.encode())
             except WalIOError as exc:
                 self.outcome[name] = exc
 

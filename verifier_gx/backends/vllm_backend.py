@@ -47,7 +47,7 @@ from muser.backend import Geometry, ModelIdentity
 from muser.errors import InvalidOverrideError, ModelLoadError, UnknownBackendError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import config_value, model_identity, read_config
-from verifier_gx.backends.torch_backend import DTYPES, _set_rope_theta
+from muser_torch.backend import DTYPES, set_rope_theta
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -131,7 +131,7 @@ class RowCapture:
 def _override_config(hf_config, *, rope_theta: float | None, max_positions: int | None):
     """vLLM `hf_overrides` hook: the overrides take effect in the model vLLM builds."""
     if rope_theta is not None:
-        _set_rope_theta(hf_config, rope_theta)
+        set_rope_theta(hf_config, rope_theta)
     if max_positions is not None:
         hf_config.max_position_embeddings = max_positions
     return hf_config

@@ -1,0 +1,238 @@
+"""Argument groups and model opening shared by the subcommands that run models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from muser.errors import RefusedError
+from muser.round import DEFAULT_Q_TOP_K
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (fixed per session)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples"
+    )
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most probable (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the session's MT19937 (default 0)")
+    g.add_argument(
+        "--stop-token",
+        type=int,
+        action="append",
+        default=[],
+        metavar="ID",
+        help="end generation after emitting this token id (repeatable)",
+    )
+
+
+LOCAL_DRAFT_LEN = 4
+"""D of the local lane when --draft-len is not given."""
+DECODE_LEN = 8
+"""Tokens a draftless round of the local lane decodes (lane.decode_len's default)."""
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (default: the built fixture pair)")
+    g.add_argument("--target", type=Path, help="target checkpoint directory (Hugging Face format)")
+    g.add_argument("--draft", type=Path, help="draft checkpoint directory (same tokenizer)")
+    g.add_argument(
+        "--target-backend",
+        default=None,
+        choices=["torch", "vllm"],
+        help="default torch; vllm needs .venv-vllm (`make vllm-env`, docs/backends.md)",
+    )
+    g.add_argument(
+        "--draft-backend",
+        default=None,
+        choices=["torch", "mlx"],
+        help="draft backend: torch (default here) or mlx (Metal on a Mac, CPU elsewhere)",
+    )
+    g.add_argument(
+        "--draft-len",
+        type=int,
+        default=None,
+        help="drafts per round D (default 4; with --lane cluster: the cluster's lane.draft_len)",
+    )
+    g.add_argument(
+        "--width",
+        choices=["fixed", "adaptive"],
+        default=None,
+        help="local lane: fixed runs --draft-len every round (default); adaptive picks each "
+        "round's D in --draft-range from measured acceptance and costs, starting at "
+        "--draft-len (--lane cluster: the cluster's lane.width decides)",
+    )
+    g.add_argument(
+        "--draft-range",
+        default=None,
+        metavar="LO:HI",
+        help="the range --width adaptive moves D in (default 0:8)",
+    )
+    g.add_argument(
+        "--draft-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cap the context the draft attends to at the last N tokens (default: uncapped)",
+    )
+    g.add_argument(
+        "--q-top-k",
+        type=int,
+        default=None,
+        help=f"draft row width: its q_top_k most probable tokens (default {DEFAULT_Q_TOP_K}; "
+        "narrower rows accept less at T > 0)",
+    )
+    g.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="override the context window read from the checkpoint config (both models)",
+    )
+    g.add_argument(
+        "--rope-theta",
+        type=float,
+        default=None,
+        help="override rope_theta read from the checkpoint config (both models)",
+    )
+
+
+def local_width(args: argparse.Namespace):
+    """The local lane's width policy from --width/--draft-range (None: fixed at --draft-len)."""
+    from muser.width import width_policy
+
+    if args.width != "adaptive":
+        if args.draft_range is not None:
+            raise RefusedError("--draft-range needs --width adaptive")
+        return None
+    start = LOCAL_DRAFT_LEN if args.draft_len is None else args.draft_len
+    lo, hi = parse_draft_range(args.draft_range or "0:8", start)
+    return width_policy("adaptive", start, lo, hi, decode_len=DECODE_LEN)
+
+
+def parse_draft_range(text: str, draft_len: int) -> tuple[int, int]:
+    """--draft-range LO:HI, which must hold --draft-len."""
+    lo, sep, hi = text.partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit() and int(lo) <= draft_len <= int(hi)):
+        raise RefusedError(
+            f"--draft-range must be LO:HI with 0 <= LO <= --draft-len ({draft_len}) <= HI, "
+            f"got {text!r}"
+        )
+    return int(lo), int(hi)
+
+
+def sampling_params(args: argparse.Namespace):
+    from muser.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        stop_tokens=tuple(args.stop_token),
+        seed=args.seed,
+    )
+
+
+@dataclass
+class OpenedModels:
+    target: object
+    draft: object | None
+    tokenizer: object
+
+
+def default_pair(progress: bool = True) -> tuple[Path, Path]:
+    from muser_app.fixtures import build_fixtures
+
+    fixtures = build_fixtures(progress=progress)
+    return fixtures.natural.target, fixtures.natural.draft
+
+
+def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
+    """Load the target (and the draft), refusing a draft whose tokenizer differs."""
+    from transformers import AutoTokenizer
+
+    from muser.identity import require_shared_tokenizer
+    from proposer_mac.backends import load_draft_backend
+    from verifier_gx.backends import load_target_backend
+
+    target_dir, draft_dir = args.target, args.draft
+    if target_dir is None or (need_draft and draft_dir is None):
+        fixture_target, fixture_draft = default_pair(progress=sys.stderr.isatty())
+        target_dir = target_dir or fixture_target
+        draft_dir = draft_dir or fixture_draft
+    overrides = {}
+    if args.context_length is not None:
+        overrides["context_length"] = args.context_length
+    if args.rope_theta is not None:
+        overrides["rope_theta"] = args.rope_theta
+    target = load_target_backend(args.target_backend or "torch", target_dir, **overrides)
+    draft = None
+    if need_draft:
+        if args.draft_len is None:
+            args.draft_len = LOCAL_DRAFT_LEN
+        if args.draft_len < 0:
+            raise RefusedError(f"--draft-len must be >= 0, got {args.draft_len}")
+        draft = load_draft_backend(
+            args.draft_backend or "torch", draft_dir, window=args.draft_window, **overrides
+        )
+        require_shared_tokenizer(target.identity, draft.identity)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    return OpenedModels(target, draft, tokenizer)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise RefusedError("give --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise RefusedError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise RefusedError(not_utf8("--prompt-file", args.prompt_file, exc)) from exc
+    if args.prompt is not None:
+        return args.prompt
+    from muser_app.fixtures import natural_prompts
+
+    return natural_prompts(1)[0]
+
+
+def not_utf8(flag: str, path: object, exc: UnicodeDecodeError) -> str:
+    """The refusal of a text file that does not decode: which file, where, what is expected."""
+    return (
+        f"{flag} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+        f"{exc.start}); expected a UTF-8 file: save it as UTF-8"
+    )
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise RefusedError(f"the prompt {text!r} encodes to no tokens; give a non-empty prompt")
+    return ids
+
+
+class TextStreamer:
+    """Prints decoded text as tokens arrive (decoding the whole output keeps UTF-8 whole)."""
+
+    def __init__(self, tokenizer, out=sys.stdout) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            self.out.write(text[len(self.printed) :])
+            self.out.flush()
+            self.printed = text
+
+
+def stats_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

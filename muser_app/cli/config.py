@@ -1,0 +1,293 @@
+"""`muser config init|check|show`: write, check and print the cluster file."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+from pathlib import Path
+
+from muser.round import DEFAULT_Q_TOP_K
+
+TEMPLATE = """\
+# muser-cluster: a single-machine cluster (both daemons on loopback), written by
+# `muser config init`. Paths are relative to this file.
+
+[verifier]
+address = "127.0.0.1:{verifier_port}"
+http = "127.0.0.1:{verifier_http_port}"
+key = "keys/verifier.key"
+public_key = "keys/verifier.pub"
+wal_dir = "wal/verifier"
+# snapshot the commit log (and drop what it covers) once this many bytes piled up; 0 = never
+commit_compact_bytes = 268435456
+target = "{target}"
+backend = "torch"
+{verifier_cpus}
+[proposer]
+address = "127.0.0.1:{proposer_port}"
+http = "127.0.0.1:{http_port}"
+key = "keys/proposer.key"
+public_key = "keys/proposer.pub"
+wal_dir = "wal/proposer"
+# snapshot the journal (and drop what it covers) once this many bytes piled up; 0 = never
+journal_compact_bytes = 268435456
+draft = "{draft}"
+backend = "{draft_backend}"
+{proposer_cpus}
+[lane]
+draft_len = {draft_len}
+# draft_len_min / draft_len_max: the range D may move in (default: fixed at draft_len).
+# With a range, width = "adaptive" picks each round's D in it from the session's measured
+# acceptance and costs (0 = singleton rounds); "fixed" keeps draft_len. Adaptive widths
+# depend on timing, so a seed then pins the distribution of sampled text, not the text.
+width = "adaptive"
+# tokens a draftless round (D = 0) asks the verifier to decode itself
+decode_len = 8
+q_top_k = {q_top_k}
+# draft the rounds of concurrent sessions together, one batched draft forward per step
+# (torch drafts; mlx and windowed drafts draft each session alone)
+draft_batch = true
+# greedy: while a round is away, draft the next one on full acceptance and on the rejection
+# of each of the first N drafts (the draft's runner-up as the target's pick), together
+speculate_branches = 2
+# name each round drafted ahead to the verifier before its request, so it can evaluate it
+# early; auto: on unless the verifier is on this machine (loopback)
+lookahead = "auto"
+# send round r+1's request on round r's early decision, before its signed result (journaled
+# first; a result that differs voids it and r+1 is drafted again)
+send_on_decision = true
+# `muser qualify --config THIS_FILE` writes the receipt; the verifier refuses to serve without it
+receipt = "qualification.json"
+acceptance_floor = 0.25
+
+[enrolment]
+verifiers = ["keys/verifier.pub"]
+proposers = ["keys/proposer.pub"]
+
+[limits]
+max_sessions = 64
+max_message_bytes = 8388608
+max_tokens = 4096
+# the proposer: finished sessions kept for clients that reconnect for the rest of a stream
+finished_sessions = 1024
+# the verifier: sessions whose target KV it keeps, rounds per batched forward, rounds waiting
+kv_sessions = 16
+max_batch = 8
+round_queue = 64
+# every channel and server: ping a quiet connection that has a call open after keepalive_s,
+# close it when no answer comes within keepalive_timeout_s (a peer that lost power)
+keepalive_s = 10.0
+keepalive_timeout_s = 10.0
+# the verifier: close a session nothing has opened, attached to or sent a round for in this
+# long (its proposer gone for good); a proposer that comes back later is refused. 0 = never
+session_idle_s = 3600.0
+"""
+
+TLS_SECTION = """
+# Mutual TLS under the cluster CA in keys/tls (`muser keygen --out keys --tls`): each server
+# requires a client certificate signed by tls.ca. Remove all of [tls] to run insecure.
+[tls]
+ca = "keys/tls/ca.pem"
+
+[tls.verifier]
+cert = "keys/tls/verifier.pem"
+key = "keys/tls/verifier.key"
+
+[tls.proposer]
+cert = "keys/tls/proposer.pem"
+key = "keys/tls/proposer.key"
+
+[tls.client]
+cert = "keys/tls/client.pem"
+key = "keys/tls/client.key"
+"""
+
+
+def register(sub, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    init = actions.add_parser("init", help="write a working loopback cluster into DIR")
+    init.add_argument("--dir", type=Path, required=True)
+    init.add_argument("--target", type=Path, help="target checkpoint (default: the fixtures)")
+    init.add_argument("--draft", type=Path, help="draft checkpoint (default: the fixtures)")
+    init.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
+    init.add_argument("--draft-len", type=int, default=4)
+    init.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite an existing cluster.toml and the keys (and certificates) beside it",
+    )
+    init.add_argument(
+        "--tls", action="store_true", help="also write a CA, certificates and the [tls] section"
+    )
+    init.set_defaults(func=run_init)
+    check = actions.add_parser("check", help="validate a cluster file (exit 0 ok, 2 refused)")
+    check.add_argument("config", type=Path)
+    check.add_argument(
+        "--role",
+        choices=["verifier", "proposer"],
+        help="check only what this node's daemon needs (its own private keys); default: all",
+    )
+    check.set_defaults(func=run_check)
+    show = actions.add_parser("show", help="print the resolved configuration (paths absolute)")
+    show.add_argument("config", type=Path)
+    show.add_argument("--json", action="store_true", help="one JSON object instead of TOML")
+    show.set_defaults(func=run_show)
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports the kernel had free: every socket stays bound until all
+    are picked, so two picks cannot land on the same port (one at a time, they can)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def _cpu_lines() -> tuple[str, str]:
+    """The `cpus` lines of the two nodes: the CPUs this process may use, split in two halves
+    (the proposer's first), so that the draft and the target do not trade cores as they would
+    not on two machines; a comment alone where there are fewer than two or none can be pinned."""
+    from muser.affinity import allowed, split_for_two
+
+    halves = split_for_two(allowed())
+    if halves is None:
+        note = "# cpus = [...]: the CPUs this daemon runs on (Linux); default: all it may use\n"
+        return note, note
+    return tuple(
+        "# one machine standing for two: each daemon on its own CPUs (remove to let the OS\n"
+        f"# place it)\ncpus = {_toml_value(half)}\n"
+        for half in halves
+    )
+
+
+def init_cluster(
+    directory: Path,
+    *,
+    target: Path | None = None,
+    draft: Path | None = None,
+    draft_backend: str = "torch",
+    draft_len: int = 4,
+    force: bool = False,
+    tls: bool = False,
+) -> Path:
+    from muser.errors import RefusedError
+    from muser_app.cli.keygen import refuse_taken, write_keys
+
+    path = directory / "cluster.toml"
+    names = ["verifier", "proposer"]
+    if directory.exists() and not directory.is_dir():
+        raise RefusedError(f"--dir {directory} is a file; expected a directory (or a new path)")
+    refuse_taken([path, *(directory / "keys" / f"{n}.key" for n in names)], force)
+    if tls:
+        from muser.tls import private_paths
+
+        refuse_taken(private_paths(directory / "keys" / "tls", names), force)
+    if not 0 <= draft_len <= 64:
+        raise RefusedError(f"--draft-len {draft_len} received; expected 0 to 64 (lane.draft_len)")
+    if target is None or draft is None:
+        from muser_app.cli._common import default_pair
+
+        fixture_target, fixture_draft = default_pair()
+        target, draft = target or fixture_target, draft or fixture_draft
+    for flag, model in (("--target", target), ("--draft", draft)):
+        if not (Path(model) / "config.json").is_file():
+            raise RefusedError(
+                f"{flag} {model} has no config.json: expected a Hugging Face checkpoint "
+                "directory (or leave it out for the fixtures)"
+            )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RefusedError(f"--dir {directory}: cannot create it: {exc.strerror}") from exc
+    write_keys(directory / "keys", names, force=force)
+    if tls:
+        from muser.tls import write_tls
+
+        write_tls(directory / "keys" / "tls", names, force=force)
+    verifier_port, verifier_http_port, proposer_port, http_port = free_ports(4)
+    proposer_cpus, verifier_cpus = _cpu_lines()
+    path.write_text(
+        (TEMPLATE + (TLS_SECTION if tls else "")).format(
+            verifier_port=verifier_port,
+            verifier_http_port=verifier_http_port,
+            proposer_port=proposer_port,
+            http_port=http_port,
+            target=Path(target).resolve(),
+            draft=Path(draft).resolve(),
+            draft_backend=draft_backend,
+            draft_len=draft_len,
+            q_top_k=DEFAULT_Q_TOP_K,
+            proposer_cpus=proposer_cpus,
+            verifier_cpus=verifier_cpus,
+        )
+    )
+    return path
+
+
+def run_init(args: argparse.Namespace) -> int:
+    path = init_cluster(
+        args.dir,
+        target=args.target,
+        draft=args.draft,
+        draft_backend=args.draft_backend,
+        draft_len=args.draft_len,
+        force=args.force,
+        tls=args.tls,
+    )
+    print(f"wrote {path}")
+    print(f"  muser qualify --config {path}")
+    print(f"  muser verifier serve --config {path}")
+    print(f"  muser proposer serve --config {path}")
+    print(f"  muser status --config {path} --wait 60")
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from cluster_config import load_config
+    from muser_app.checks import check_config
+
+    check_config(load_config(args.config), role=args.role)
+    print(f"{args.config}: ok" + (f" for the {args.role}" if args.role else ""))
+    return 0
+
+
+def resolved(config) -> dict:
+    """The configuration as the daemons use it: defaults filled in, paths absolute."""
+    out = config.model_dump(mode="json")
+    for role in ("verifier", "proposer"):
+        out[role]["bind"] = getattr(config, role).bind_address
+    return out
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings, numbers and booleans read back as TOML
+
+
+def to_toml(data: dict, prefix: str = "") -> str:
+    """TOML for `config show`: scalars first, then each table; unset (None) values omitted."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict | None)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            lines += ["", f"[{name}]", to_toml(value, f"{name}.")]
+    return "\n".join(lines).strip("\n")
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from cluster_config import load_config
+
+    data = resolved(load_config(args.config))
+    print(json.dumps(data) if args.json else to_toml(data))
+    return 0

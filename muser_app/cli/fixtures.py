@@ -1,0 +1,132 @@
+"""`muser fixtures`: build the fixture target/draft pairs, and measure them.
+
+muser fixtures build [--out DIR] [--force] [--json]
+muser fixtures info [--out DIR] [--json]
+muser fixtures widen --factor F [--draft-factor F] [--out DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any, name: str, help_text: str) -> None:
+    """Add `fixtures build`, `info` and `widen` to the top-level parser."""
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    sub = parser.add_subparsers(dest="fixtures_command", metavar="ACTION")
+    parser.set_defaults(func=lambda _args: _usage(parser))
+
+    build = sub.add_parser(
+        "build",
+        help="build (or find cached) the natural and periodic pairs; prints their paths",
+        description="Train the natural pair on the stdlib sources and the periodic control "
+        "pair; cached under $MUSER_CACHE_DIR/fixtures/<recipe key> (default ~/.cache/muser).",
+    )
+    _common(build)
+    build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.set_defaults(func=run_build)
+
+    info = sub.add_parser(
+        "info",
+        help="measure sizes, decode costs and acceptance proxies (builds first if needed)",
+    )
+    _common(info)
+    info.set_defaults(func=run_info)
+
+    widen = sub.add_parser(
+        "widen",
+        help="write the natural pair widened F times (same logits, about F*F the arithmetic); "
+        "prints their paths",
+        description="Widen the natural target and draft (muser_app/fixtures/widen.py; "
+        "docs/fixtures.md, 'Widened stand-ins'), written once beside the built pair. Use the "
+        "paths with `muser config init --target T --draft D` or `muser generate --target T "
+        "--draft D`; `muser bench --widen-target F --widen-draft F` does this itself.",
+    )
+    _common(widen)
+    widen.add_argument("--factor", type=int, required=True, help="the target's factor (>= 1)")
+    widen.add_argument(
+        "--draft-factor", type=int, default=None, help="the draft's factor (default: --factor)"
+    )
+    widen.set_defaults(func=run_widen)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="fixture directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _paths(fx: Any) -> dict[str, str]:
+    return {
+        "root": str(fx.root),
+        "natural_target": str(fx.natural.target),
+        "natural_draft": str(fx.natural.draft),
+        "periodic_target": str(fx.periodic.target),
+        "periodic_draft": str(fx.periodic.draft),
+    }
+
+
+def run_build(args: argparse.Namespace) -> int:
+    """Build or find the fixtures; print where they are."""
+    from muser_app.fixtures import build_fixtures
+
+    fx = build_fixtures(args.out, progress=True, force=args.force)
+    paths = _paths(fx)
+    if args.json:
+        print(json.dumps({**paths, "key": fx.manifest()["key"]}, sort_keys=True))
+    else:
+        for label, path in paths.items():
+            print(f"{label:16s} {path}")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """Measure the fixtures (the numbers docs/fixtures.md quotes)."""
+    from muser_app.fixtures import build_fixtures, metrics
+
+    fx = build_fixtures(args.out, progress=True)
+    result = {**_paths(fx), **metrics(fx)}
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    for key, value in result.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                print(f"{key + '.' + sub:37s} {_fmt(v)}")
+        else:
+            print(f"{key:37s} {_fmt(value)}")
+    return 0
+
+
+def run_widen(args: argparse.Namespace) -> int:
+    """Widen the natural pair; print where the widened checkpoints are."""
+    from muser.errors import RefusedError
+    from muser_app.fixtures import build_fixtures
+    from muser_app.fixtures.widen import widen
+
+    draft_factor = args.factor if args.draft_factor is None else args.draft_factor
+    for flag, value in (("--factor", args.factor), ("--draft-factor", draft_factor)):
+        if value < 1:  # before the fixtures are built
+            raise RefusedError(f"{flag} must be >= 1, got {value}")
+    pair = build_fixtures(args.out, progress=not args.json).natural
+    paths = {
+        "natural_target": str(widen(pair.target, args.factor)),
+        "natural_draft": str(widen(pair.draft, draft_factor)),
+    }
+    if args.json:
+        print(json.dumps(paths | {"factor": args.factor, "draft_factor": draft_factor}))
+    else:
+        for label, path in paths.items():
+            print(f"{label:16s} {path}")
+    return 0
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

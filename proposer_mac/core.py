@@ -1,0 +1,361 @@
+"""The proposer's core (`ProposerCore`): the draft backend, the session journal, sessions and
+their recovery, the verifier channel. `proposer_mac.daemon` serves it (gRPC, health, HTTP).
+
+At start the core replays the journal and resumes every unfinished session, so a client that
+reconnects with its session id and a token offset receives the rest without gaps or repeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import threading
+from pathlib import Path
+
+from cluster_config import ClusterConfig
+from cluster_config.schema import Lane
+from muser import keys, tls
+from muser.backend import batches
+from muser.channels import channel_options
+from muser.errors import RefusedError
+from muser.records import Identity, RoundResult
+from muser.sampling import SamplingParams
+from muser.stats import DaemonStats, LaneStats
+from muser.tasks import in_background
+from muser.width import FixedWidth, WidthPolicy, width_policy
+from muser.wire import convert
+from muser.wire import muser_v2_pb2 as pb
+from proposer_mac import journal
+from proposer_mac.context import DriverContext
+from proposer_mac.drafting import Drafter
+from proposer_mac.driver import SessionRunner
+from proposer_mac.session import ProposerSession, SessionFailed
+
+log = logging.getLogger("muser.proposer")
+
+
+class ProposerCore:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        draft=None,
+        target_identity: Identity | None = None,
+        tokenizer=None,
+    ):
+        from wal import FileLog
+
+        self.config = config
+        p = config.proposer
+        self.private = keys.Signer(keys.load_private(p.key))
+        self.key_id = keys.key_id(self.private.public_key())
+        self.verifiers = {
+            keys.key_id(k): k for k in map(keys.load_public, config.enrolment.verifiers)
+        }
+        if draft is None:
+            from proposer_mac.backends import load_draft_backend
+
+            opts = {"device": p.device} if p.backend == "mlx" else {"dtype": p.dtype}
+            draft = load_draft_backend(p.backend, p.draft, **opts)
+        self.draft = draft
+        self.draft_batch = config.lane.draft_batch and batches(draft)
+        """Sessions draft on sequences of `draft` and wait in the draft thread together."""
+        self.draft_identity = _identity(draft.identity)
+        self.target_identity = target_identity or _target_identity(config)
+        self.target_context_length: int | None = None
+        """The target's context window as its verifier reports it (`ask_target_identity`),
+        for a proposer without the target's files."""
+        Path(p.wal_dir).mkdir(parents=True, exist_ok=True)
+        self.stats = DaemonStats()
+        """Journal fsyncs; the rounds are each runner's LaneStats (`metrics_view` sums them)."""
+        self.log = FileLog(Path(p.wal_dir) / "journal", on_fsync=self.stats.observe_fsync)
+        self.channel = tls.open_channel(
+            config.verifier.address,
+            config.tls,
+            "proposer",
+            options=[
+                *channel_options(config.limits),
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+            aio=True,
+        )
+        self.context = DriverContext(
+            private=self.private,
+            verifiers=self.verifiers,
+            log=self.log,
+            channel=self.channel,
+            verifier_address=config.verifier.address,
+            speculate=config.lane.speculate,
+            branches=config.lane.speculate_branches,
+            send_on_decision=config.lane.send_on_decision,
+            lookahead=lookahead_on(config.lane.lookahead, config.verifier.address),
+            batch_with=draft if self.draft_batch else None,
+        )
+        self._compacting = threading.Lock()
+        self._compacted_at = self.journal_bytes()
+        """Bytes of segments the last compaction (or the start) left on disk."""
+        self.runners: dict[bytes, SessionRunner] = {}
+        self.retired = LaneStats(phases={})
+        """The summed stats of finished sessions forgotten beyond limits.finished_sessions."""
+        self._tokenizer = tokenizer
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.config.proposer.draft))
+        return self._tokenizer
+
+    def _runner(self, session: ProposerSession) -> SessionRunner:
+        # each session drafts on a KV of its own when the backend has them: a sequence (one
+        # batched forward drafts many) or a fork (torch, mlx); interleaved sessions then never
+        # re-prefill each other's transcripts
+        own = self.draft_batch or hasattr(self.draft, "fork")
+        backend = draft_kv(self.draft, self.draft_batch)
+        drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
+        runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
+        self.runners[session.session_id] = runner
+        self._forget_finished()
+        return runner
+
+    def _start(self, runner: SessionRunner) -> None:
+        """Run the session; once it ends, see whether the journal wants compacting."""
+        runner.start()
+        runner.task.add_done_callback(
+            lambda _: in_background(self.maybe_compact(), "journal compaction", log)
+        )
+
+    def _forget_finished(self) -> None:
+        """Keep at most limits.finished_sessions finished sessions (the oldest go first);
+        their stats are folded into `retired`, so the metrics' counters never go back."""
+        finished = [sid for sid, r in self.runners.items() if r.finished or r.error is not None]
+        for sid in finished[: max(0, len(finished) - self.config.limits.finished_sessions)]:
+            self.retired.merge(self.runners.pop(sid).stats)
+        self.retired.prune()
+
+    def _replayed(self, on_record=None) -> dict[bytes, journal.JournaledSession]:
+        """The journal's sessions: its latest snapshot, then every durable record after it
+        (each seq handed to `on_record` when given)."""
+        snap = self.log.latest_snapshot()
+        base = journal.decode_snapshot(snap.data) if snap is not None else None
+        records = self.log.records(snap.seq + 1 if snap is not None else self.log.first_seq)
+
+        def payloads():
+            for record in records:
+                if on_record is not None:
+                    on_record(record.seq)
+                yield record.payload
+
+        return journal.replay(payloads(), base)
+
+    def journal_bytes(self) -> int:
+        """Bytes of journal segments on disk."""
+        directory = Path(self.config.proposer.wal_dir) / "journal"
+        return sum(e.stat().st_size for e in os.scandir(directory) if e.name.endswith(".wal"))
+
+    def compact_journal(self):
+        """Snapshot the journal at its last durable record (every unfinished session and the
+        latest `limits.finished_sessions` finished ones, see proposer_mac/journal.py) and let
+        the commit log drop the segments it covers. Blocking: call it off the event loop.
+        Returns the snapshot, or None when nothing was journaled since the last one."""
+        with self._compacting:
+            last = [0]
+            sessions = self._replayed(lambda seq: last.__setitem__(0, seq))
+            if not last[0]:
+                return None
+            keep = self.config.limits.finished_sessions
+            data = journal.snapshot_of(sessions, keep)
+            snap = self.log.write_snapshot(data, last[0])
+            self._compacted_at = self.journal_bytes()
+            log.info(
+                "journal snapshot at seq %d: %d sessions, %d bytes; %d bytes of segments left",
+                snap.seq, len(journal.retained(sessions, keep)), len(data), self._compacted_at,
+            )  # fmt: skip
+            return snap
+
+    async def maybe_compact(self) -> None:
+        """Compact once `proposer.journal_compact_bytes` of segments have piled up since the
+        last snapshot (in a worker thread; one compaction at a time)."""
+        limit = self.config.proposer.journal_compact_bytes
+        if not limit or self._compacting.locked():
+            return
+        if self.journal_bytes() - self._compacted_at >= limit:
+            try:
+                await asyncio.to_thread(self.compact_journal)
+            except Exception as exc:  # the journal itself is intact: only the snapshot failed
+                log.error("journal compaction failed (the journal keeps growing): %s", exc)
+
+    def recover(self) -> int:
+        """Rebuild sessions from the journal; start a runner for each unfinished one."""
+        resumed = 0
+        for sid, js in self._replayed().items():
+            session = ProposerSession.from_open(
+                js.open,
+                js.epoch,
+                js.prompt,
+                js.draft_len,
+                session_width(self.config.lane, js.draft_len),
+            )
+            for signed in js.committed:
+                result = RoundResult.decode(signed.body)
+                session.apply(result)
+                session.last_result = signed
+                session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
+            session.prepared, session.ahead = js.prepared, js.ahead
+            # a failed one is not done: a client that reconnects gets its tokens, then why
+            session.done = session.done or (js.done and js.failed is None)
+            runner = self._runner(session)
+            if js.failed is not None:
+                runner.error = SessionFailed(f"session {sid.hex()[:8]} failed: {js.failed}")
+            elif not session.done:
+                self._start(runner)
+                resumed += 1
+            log.info(
+                "session %s recovered at round %d (%s)",
+                sid.hex()[:8],
+                session.next_round,
+                "failed" if js.failed else "done" if session.done else "resuming",
+                extra={"session": sid.hex(), "round": session.next_round},
+            )
+        return resumed
+
+    async def new_session(self, request: pb.GenerateRequest) -> SessionRunner:
+        params = convert.params_from_pb(request.params)
+        prompt = list(request.prompt_tokens) or list(
+            self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        )
+        return await self.start_session(prompt, params, request.draft_len)
+
+    async def start_session(
+        self, prompt: list[int], params: SamplingParams, draft_len: int = 0
+    ) -> SessionRunner:
+        """Open a session on a tokenized prompt; the gRPC and HTTP front ends both land here."""
+        limits = self.config.limits
+        if params.max_tokens > limits.max_tokens:
+            raise RefusedError(
+                f"max_tokens {params.max_tokens} exceeds the cluster limit {limits.max_tokens}"
+            )
+        if not prompt:
+            raise RefusedError("the prompt is empty: give prompt text or prompt_tokens")
+        vocab = self.target_identity.vocab_size
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise RefusedError(f"prompt token {bad[0]} outside the vocabulary [0, {vocab})")
+        lane = self.config.lane
+        if draft_len and not lane.draft_len_min <= draft_len <= lane.draft_len_max:
+            raise RefusedError(
+                f"draft_len {draft_len} is outside the cluster's lane range "
+                f"[{lane.draft_len_min}, {lane.draft_len_max}] (lane.draft_len_min/_max)"
+            )
+        session = ProposerSession.create(
+            prompt,
+            params,
+            self.target_identity,
+            self.draft_identity,
+            self.key_id,
+            draft_len,
+            tuple(self.config.lane.capture_layers),
+            width=session_width(lane, draft_len),
+        )
+        left = asyncio.Event()
+        opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # the caller left (a client disconnected) mid-open: the open goes on (its OPEN
+            # may be durable already), and a session that opens ends before its first
+            # round, DONE journaled and closed on the verifier
+            left.set()
+            opening.add_done_callback(_cancel_opened)
+            raise
+
+    async def _open(
+        self, session: ProposerSession, prompt: list[int], draft_len: int, left: asyncio.Event
+    ) -> SessionRunner:
+        """OPEN journaled, the session opened on the verifier, its runner started (cancelled
+        from the start when its caller `left`). An open the verifier refuses or never
+        answers journals FAILED behind the OPEN, so no restart resumes a session whose client
+        was told it failed."""
+        await self.log.append_async(
+            journal.encode_open(session.open, session.epoch, prompt, draft_len)
+        )
+        try:
+            await self.context.open_remote(session)
+        except Exception as exc:
+            sid = session.session_id.hex()[:8]
+            try:
+                reason = f"its open failed: {exc}"
+                await self.log.append_async(journal.encode_failed(session.session_id, reason))
+            except Exception as failed_exc:  # the OPEN stays: a restart resumes the session
+                log.error("session %s: its open failed (%s) and FAILED was not journaled: %s",
+                          sid, exc, failed_exc)  # fmt: skip
+            else:
+                log.info("session %s: its open failed, journaled FAILED: %s", sid, exc)
+            raise
+        runner = self._runner(session)
+        if left.is_set():
+            runner.cancel()
+        self._start(runner)
+        return runner
+
+
+def _cancel_opened(opening: asyncio.Future) -> None:
+    """For a session opened as its caller left: end it after the round in flight, if any
+    (or, when the open failed, only take its exception: the log has it)."""
+    if opening.cancelled():
+        return
+    if opening.exception() is None:
+        opening.result().cancel()
+
+
+def lookahead_on(setting: str, verifier_address: str) -> bool:
+    """lane.lookahead: "on", "off", or "auto", which is on unless the verifier's address is
+    a loopback one (a verifier on this machine: its early forward would compete with the
+    draft for the same cores)."""
+    if setting != "auto":
+        return setting == "on"
+    host = verifier_address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not this machine's loopback
+        return True
+
+
+def draft_kv(draft, batch: bool):
+    """The backend one session drafts on: a sequence of `draft` when sessions draft together
+    (`batch`), else a fork when `draft` has one, else `draft` itself (a shared KV)."""
+    if batch:
+        return draft.sequence()
+    return draft.fork() if hasattr(draft, "fork") else draft
+
+
+def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
+    """A session's width policy: fixed at the D it asked for, or (0: it asked for none) the
+    lane's — `lane.width` within [draft_len_min, draft_len_max], starting at draft_len.
+    Draftless rounds decode `lane.decode_len` tokens, one when the lane captures hidden rows
+    (decode rounds carry no captures)."""
+    decode_len = 1 if lane.capture_layers else lane.decode_len
+    if draft_len:
+        return FixedWidth(draft_len, decode_len)
+    return width_policy(
+        lane.width, lane.draft_len, lane.draft_len_min, lane.draft_len_max, decode_len
+    )
+
+
+def _identity(i) -> Identity:
+    return Identity(i.model_digest, i.tokenizer_digest, i.vocab_size)
+
+
+def _target_identity(config: ClusterConfig) -> Identity | None:
+    """The target's identity from its files, when they are on this machine (else None)."""
+    from muser.identity import model_identity
+
+    if not (Path(config.verifier.target) / "config.json").is_file():
+        return None
+    return _identity(model_identity(config.verifier.target))
