@@ -56,6 +56,29 @@ class Geometry:
     sliding_window: int | None
 
 
+class HeldTokens:
+    """What every one-KV backend reports alike (torch, vLLM, mlx): its vocabulary (the
+    identity's), its length (the tokens it holds, `_tokens`) and where its rows are computed,
+    "`label`:`device`" as `muser status` shows it ("torch:cuda:0", "vllm:cpu", "mlx:gpu")."""
+
+    label: str
+    identity: ModelIdentity
+    device: str
+    _tokens: list[int]
+
+    @property
+    def device_label(self) -> str:
+        return f"{self.label}:{self.device}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.identity.vocab_size
+
+    @property
+    def length(self) -> int:
+        return len(self._tokens)
+
+
 @runtime_checkable
 class ModelBackend(Protocol):
     identity: ModelIdentity

@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from muser.backend import Geometry, ModelIdentity
+from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import CaptureLayerError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import model_identity
@@ -96,10 +96,11 @@ def check_device(device: str, setting: str = "verifier.device") -> str:
     return str(parsed)
 
 
-class TorchBackend:
+class TorchBackend(HeldTokens):
     """A causal LM under torch with the KV cache of one sequence (`ModelBackend`), and
     per-sequence KV with batched forwards for the verifier (`MultiSequenceBackend`)."""
 
+    label = "torch"
     identity: ModelIdentity
     geometry: Geometry
 
@@ -169,19 +170,6 @@ class TorchBackend:
         from transformers import DynamicCache
 
         return DynamicCache()
-
-    @property
-    def device_label(self) -> str:
-        """Where the rows are computed, as `muser status` reports it: "torch:cuda:0"…"""
-        return f"torch:{self.device}"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.identity.vocab_size
-
-    @property
-    def length(self) -> int:
-        return len(self._tokens)
 
     @property
     def num_layers(self) -> int:

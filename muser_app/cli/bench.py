@@ -12,6 +12,21 @@ from pathlib import Path
 from muser.round import DEFAULT_Q_TOP_K
 
 
+def _run_meta(args, pair, params, draft_range) -> dict:
+    """What every suite's receipt says of its run: the command, the pair, the parameters."""
+    return {
+        "command": " ".join(sys.argv),
+        "target": str(pair.target),
+        "draft": str(pair.draft),
+        "widen": {"target": args.widen_target, "draft": args.widen_draft},
+        "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
+        "draft_len": args.draft_len,
+        "draft_range": list(draft_range) if draft_range else None,
+        "target_device": args.target_device,
+        "max_tokens": args.max_tokens,
+    }
+
+
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.add_argument(
@@ -270,18 +285,10 @@ def _run_lanes(args: argparse.Namespace) -> int:
     rtt = {k: fn.rtt_s for k, fn in lanes.items() if hasattr(fn, "rtt_s")}
     summary = summarise(samples, rtt, _cores(lanes), sampled=args.temperature > 0)
     meta = {
-        "command": " ".join(sys.argv),
+        **_run_meta(args, pair, params, draft_range),
         "fixture": "periodic (control)" if args.periodic else "natural",
-        "target": str(pair.target),
-        "draft": str(pair.draft),
-        "widen": {"target": args.widen_target, "draft": args.widen_draft},
-        "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
-        "draft_len": args.draft_len,
-        "draft_range": list(draft_range) if draft_range else None,
         "q_top_k": args.q_top_k,
         "draft_backend": args.draft_backend,
-        "target_device": args.target_device,
-        "max_tokens": args.max_tokens,
         "cluster_delays_ms": delays,
         "cluster_variants": variants,
         "repeats": args.repeats,
@@ -448,17 +455,9 @@ def _run_sessions(args: argparse.Namespace) -> int:
         return INTERRUPTED
     summary = summarise_sessions(rates, samples, oracle, cores)
     meta = {
-        "command": " ".join(sys.argv),
+        **_run_meta(args, pair, params, draft_range),
         "suite": "sessions",
         "fixture": "natural",
-        "target": str(pair.target),
-        "draft": str(pair.draft),
-        "widen": {"target": args.widen_target, "draft": args.widen_draft},
-        "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
-        "draft_len": args.draft_len,
-        "draft_range": list(draft_range) if draft_range else None,
-        "target_device": args.target_device,
-        "max_tokens": args.max_tokens,
         "sessions": sessions,
         "repeats": args.repeats,
         "interrupted": interrupted,

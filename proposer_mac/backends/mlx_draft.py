@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from muser.backend import Geometry, ModelIdentity
+from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import ContextOverflowError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import config_value, model_identity, read_config
@@ -68,9 +68,10 @@ def _honours_sliding_window(model) -> bool:
     )
 
 
-class MlxBackend:
+class MlxBackend(HeldTokens):
     """A causal LM under mlx-lm with the prompt cache of one sequence (`ModelBackend`)."""
 
+    label = "mlx"
     identity: ModelIdentity
     geometry: Geometry
 
@@ -116,19 +117,6 @@ class MlxBackend:
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self._model)
-
-    @property
-    def device_label(self) -> str:
-        """Where the rows are computed, as `muser status` reports it: "mlx:gpu" or "mlx:cpu"."""
-        return f"mlx:{self.device}"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.identity.vocab_size
-
-    @property
-    def length(self) -> int:
-        return len(self._tokens)
 
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; float64 logits (len(tokens), vocab_size), positions from `length`."""

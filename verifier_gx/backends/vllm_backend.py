@@ -43,7 +43,7 @@ from typing import Literal
 
 import numpy as np
 
-from muser.backend import Geometry, ModelIdentity
+from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import InvalidOverrideError, ModelLoadError, UnknownBackendError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import config_value, model_identity, read_config
@@ -137,7 +137,7 @@ def _override_config(hf_config, *, rope_theta: float | None, max_positions: int 
     return hf_config
 
 
-class VllmBackend:
+class VllmBackend(HeldTokens):
     """A causal LM under vLLM's engine, holding one sequence (`ModelBackend`).
 
     `block_size` is the prefix-cache granularity: a round recomputes at most
@@ -145,6 +145,7 @@ class VllmBackend:
     of 32). `kv_cache_bytes` sizes the KV pool (default: `default_kv_cache_bytes`).
     """
 
+    label = "vllm"
     identity: ModelIdentity
     geometry: Geometry
 
@@ -235,19 +236,6 @@ class VllmBackend:
             _IN_PROCESS_ENGINES.append(llm)
         llm.collective_rpc("muser_install_row_hook")
         return llm
-
-    @property
-    def device_label(self) -> str:
-        """Where the rows are computed, as `muser status` reports it: "vllm:cpu"…"""
-        return f"vllm:{self.device}"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.identity.vocab_size
-
-    @property
-    def length(self) -> int:
-        return len(self._tokens)
 
     @property
     def num_layers(self) -> int:
