@@ -237,10 +237,11 @@ def capture_layers_exist(config: ClusterConfig, scope: Scope) -> None:
 
 def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
     p = config.proposer
-    if p.backend == "mlx" and p.dtype != "float32":
+    if p.backend != "torch" and p.dtype != "float32":
+        runs = "runs float32" if p.backend == "mlx" else "has no weights"
         raise ConfigError(
-            f"proposer.dtype {p.dtype!r} needs proposer.backend 'torch'; the mlx draft runs "
-            'float32: set dtype = "float32" or backend = "torch"'
+            f"proposer.dtype {p.dtype!r} needs proposer.backend 'torch'; the {p.backend} draft "
+            f'{runs}: set dtype = "float32" or backend = "torch"'
         )
 
 

@@ -55,9 +55,9 @@ class ProposerCore:
             keys.key_id(k): k for k in map(keys.load_public, config.enrolment.verifiers)
         }
         if draft is None:
-            from proposer_mac.backends import load_draft_backend
+            from proposer_mac.backends import draft_options, load_draft_backend
 
-            opts = {"device": p.device} if p.backend == "mlx" else {"dtype": p.dtype}
+            opts = draft_options(p.backend, device=p.device, dtype=p.dtype)
             draft = load_draft_backend(p.backend, p.draft, **opts)
         self.draft = draft
         self.draft_batch = config.lane.draft_batch and batches(draft)

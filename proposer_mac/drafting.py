@@ -55,6 +55,7 @@ from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, sample_ordered
+from proposer_mac.backends.ngram import no_proposal
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,8 @@ class Drafter:
         q_rows: list[SparseRow] = []
         runners_up: list[int] = []
         for i in range(depth):
+            if no_proposal(row):  # a draft may decline (the n-gram draft finds no match)
+                break
             q = draft_row(row, self.params, self.q_top_k)
             if self.params.greedy:
                 token = int(q.ids[argmax_lowest(q.weights)])
@@ -217,6 +220,8 @@ class Drafter:
             return None
         self._checkpoint = _Checkpoint(held, self.cursor.last_row)
         row = (yield [current.drafts[-1]])[-1]
+        if no_proposal(row):  # no guess at the bonus: wait for the result
+            return None
         q = draft_row(row, self.params, self.q_top_k)
         if self.params.greedy:
             bonus = int(q.ids[argmax_lowest(q.weights)])

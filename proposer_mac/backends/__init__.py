@@ -1,4 +1,5 @@
-"""Draft backends (DESIGN.md §8): `mlx` (Metal on a Mac, CPU elsewhere) and `torch`.
+"""Draft backends (DESIGN.md §8): `mlx` (Metal on a Mac, CPU elsewhere), `torch`, and the
+model-free `ngram` (prompt lookup; its path is the target's checkpoint).
 
 Backends are imported lazily, so a proposer without torch can still run the mlx draft.
 """
@@ -11,8 +12,8 @@ from typing import Literal
 from muser.backend import ModelBackend, check_options
 from muser.errors import UnknownBackendError
 
-DraftKind = Literal["mlx", "torch"]
-DRAFT_KINDS: tuple[DraftKind, ...] = ("mlx", "torch")
+DraftKind = Literal["mlx", "torch", "ngram"]
+DRAFT_KINDS: tuple[DraftKind, ...] = ("mlx", "torch", "ngram")
 
 
 def _draft_class(kind: str) -> type:
@@ -24,9 +25,19 @@ def _draft_class(kind: str) -> type:
         from proposer_mac.backends.torch_draft import TorchDraftBackend
 
         return TorchDraftBackend
+    if kind == "ngram":
+        from proposer_mac.backends.ngram import NgramDraft
+
+        return NgramDraft
     raise UnknownBackendError(
         f"draft backend {kind!r} is unknown; valid kinds are {', '.join(DRAFT_KINDS)}"
     )
+
+
+def draft_options(kind: str, *, device: str, dtype: str) -> dict[str, str]:
+    """The options the cluster file's [proposer] gives a draft backend of `kind`: the mlx
+    device, the torch dtype, nothing for the n-gram draft (no weights)."""
+    return {"mlx": {"device": device}, "torch": {"dtype": dtype}}.get(kind, {})
 
 
 def load_draft_backend(
@@ -51,4 +62,4 @@ def load_draft_backend(
     return WindowedBackend(backend, window)
 
 
-__all__ = ["DRAFT_KINDS", "DraftKind", "load_draft_backend"]
+__all__ = ["DRAFT_KINDS", "DraftKind", "draft_options", "load_draft_backend"]

@@ -81,6 +81,11 @@ def test_the_first_three_tokens_are_distributed_as_the_target_alone(
             run_local(target, draft, PROMPT, seeded, q_top_k=q_top_k, width=width).tokens
         )
         counts[tokens] = counts.get(tokens, 0) + 1
+    assert_distributed_as(counts, exact, runs)
+
+
+def assert_distributed_as(counts: dict, exact: dict, runs: int) -> None:
+    """A chi-square test of `counts` (sequences seen over `runs`) against `exact`."""
     impossible = sorted(seq for seq in counts if exact.get(seq, 0.0) == 0.0)
     assert not impossible, f"sequences the target never emits: {impossible[:5]}"
     cells = [seq for seq, p in exact.items() if p > 0]
@@ -99,3 +104,30 @@ def test_the_first_three_tokens_are_distributed_as_the_target_alone(
         f"lane's first {LENGTH} tokens are not distributed as the target's (false-failure "
         "probability about 2.9e-7)"
     )
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (3, 0.8)])
+def test_the_ngram_draft_is_lossless_at_t1(top_k, top_p):
+    """The n-gram draft's q is one-hot (proposer_mac/backends/ngram.py): accepted with
+    probability p(x), else the residual is p without x. The prompt repeats, so rounds draft
+    from lookups, follow them after rejections, and decode when nothing matches."""
+    from proposer_mac.backends.ngram import NgramDraft
+
+    prompt, runs = [1, 2, 1, 2], 12_000  # ends in 2, as PROMPT: the same exact joint
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, max_tokens=LENGTH)
+    exact = exact_joint(params)
+    target, _ = pair()
+    draft = NgramDraft.over(target.identity, target.geometry, 1, 2)
+    counts: dict[tuple[int, ...], int] = {}
+    for run in range(runs):
+        target.reset()
+        draft.reset()
+        seeded = SamplingParams(
+            temperature=1.0, top_k=top_k, top_p=top_p, max_tokens=LENGTH,
+            seed=run * 2654435761 % 2**32,
+        )  # fmt: skip
+        tokens = tuple(
+            run_local(target, draft, prompt, seeded, q_top_k=VOCAB, width=FixedWidth(2, 3)).tokens
+        )
+        counts[tokens] = counts.get(tokens, 0) + 1
+    assert_distributed_as(counts, exact, runs)

@@ -1,0 +1,140 @@
+"""A model-free n-gram draft: prompt lookup (DESIGN.md §8), as vLLM's `ngram` proposer,
+llama.cpp's lookup decoding and transformers' `prompt_lookup_num_tokens` do it.
+
+After each token the draft looks for an earlier occurrence of the sequence's last n tokens,
+for n from `max_n` down to `min_n`, and proposes the token that followed the most recent such
+occurrence. Drafting a chain feeds each proposal back in, so a chain follows one earlier
+passage for as long as it keeps matching. The defaults (2..3) measured best on the real
+pair's held-out prompts: a 1-token match proposes too often and is rejected too often, and on
+a CPU every rejected position costs a quarter of a decode (docs/benchmarks.md).
+
+What q is. The draft speaks the backend contract (`muser.backend`): its row after a token is
+raw logits, 0 at the proposed token and -inf everywhere else. Every transform the session
+applies (temperature, top-k, top-p) keeps that row one-hot, so at any temperature
+q = δ(x) for the proposal x. The exact round then accepts x with probability
+min(1, p(x)/q(x)) = p(x) and, on rejection, samples the residual norm(max(p − δ(x), 0)),
+which is p with x removed and renormalised: the emitted token is distributed as p, the
+same argument as for any q (DESIGN.md §4). At temperature 0 the verifier accepts x iff it is
+the target's argmax.
+
+No match means no proposal: the row is -inf everywhere, and the drafter ends the round's
+draft there (a round may draft fewer than D tokens, or none: then the verifier decodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from muser.backend import Geometry, HeldTokens, ModelIdentity
+from muser.errors import InvalidOverrideError
+from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
+from muser.identity import model_identity
+
+NGRAM_DOMAIN = b"muser.ngram-draft.v1\x00"
+
+
+def no_proposal(row: np.ndarray) -> bool:
+    """True for a draft row that proposes nothing (every logit -inf)."""
+    return not np.isfinite(row).any()
+
+
+class NgramDraft(HeldTokens):
+    """Prompt lookup over the session's own tokens; `path` is the target's checkpoint, whose
+    tokenizer, vocabulary and context window it shares (nothing else is read)."""
+
+    label = "ngram"
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        min_n: int = 2,
+        max_n: int = 3,
+        context_length: int | None = None,
+    ) -> None:
+        self._setup(
+            model_identity(path), read_geometry(path, context_length=context_length), min_n, max_n
+        )
+
+    @classmethod
+    def over(cls, target: ModelIdentity, geometry: Geometry, min_n: int = 2, max_n: int = 3):
+        """The draft for a target known by its identity and geometry (no files read)."""
+        draft = object.__new__(cls)
+        draft._setup(target, geometry, min_n, max_n)
+        return draft
+
+    def _setup(self, target: ModelIdentity, geometry: Geometry, min_n: int, max_n: int) -> None:
+        for name, value in (("min_n", min_n), ("max_n", max_n)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidOverrideError(f"ngram {name} {value!r} is invalid: expected int ≥ 1")
+        if min_n > max_n:
+            raise InvalidOverrideError(f"ngram min_n {min_n} exceeds max_n {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        recipe = f"prompt-lookup min_n={min_n} max_n={max_n} most-recent".encode()
+        digest = hashlib.sha256(NGRAM_DOMAIN + recipe + target.tokenizer_digest.encode())
+        self.identity = replace(
+            target, model_digest=digest.hexdigest(), architecture=f"ngram({min_n}..{max_n})"
+        )
+        self.geometry = geometry
+        self.device = "cpu"
+        self._tokens: list[int] = []
+        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n + 1)]
+        """_ends[n][gram]: the lengths of the prefixes that end with `gram`, ascending."""
+
+    def proposal(self) -> int | None:
+        """The token after the most recent earlier occurrence of the longest matching suffix."""
+        seq, length = self._tokens, len(self._tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            ends = self._ends[n].get(tuple(seq[length - n :]))
+            if ends is not None and len(ends) >= 2:  # ends[-1] is the suffix itself
+                return seq[ends[-2]]
+        return None
+
+    def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens`; row i proposes the token after tokens[i] (or nothing)."""
+        ids = check_tokens(tokens, self.vocab_size)
+        check_room(self.length, len(ids), self.geometry.context_length)
+        rows = np.full((len(ids), self.vocab_size), -np.inf)
+        for i, token in enumerate(ids):
+            self._push(token)
+            proposal = self.proposal()
+            if proposal is not None:
+                rows[i, proposal] = 0.0
+        return rows
+
+    def rollback(self, n: int) -> None:
+        """Drop the last `n` tokens (refuses n < 0 or n > length)."""
+        check_rollback(n, self.length)
+        for _ in range(n):
+            self._pop()
+
+    def reset(self) -> None:
+        self.rollback(self.length)
+
+    def fork(self) -> NgramDraft:
+        """An empty sequence with the same settings (each session drafts on its own)."""
+        twin = object.__new__(NgramDraft)
+        twin.__dict__.update(self.__dict__)
+        twin._tokens, twin._ends = [], [{} for _ in range(self.max_n + 1)]
+        return twin
+
+    def _push(self, token: int) -> None:
+        self._tokens.append(token)
+        length = len(self._tokens)
+        for n in range(1, min(self.max_n, length) + 1):
+            self._ends[n].setdefault(tuple(self._tokens[length - n :]), []).append(length)
+
+    def _pop(self) -> None:
+        length = len(self._tokens)
+        for n in range(1, min(self.max_n, length) + 1):
+            gram = tuple(self._tokens[length - n :])
+            ends = self._ends[n][gram]
+            ends.pop()  # always the last: prefixes are pushed and popped in order
+            if not ends:
+                del self._ends[n][gram]
+        self._tokens.pop()
