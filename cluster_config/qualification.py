@@ -173,7 +173,7 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
     machine), pass the receipt: its draft binding stands in for the files, and the verifier
     refuses at session open any draft whose digests differ from it (`qualified_draft`)."""
     from muser.errors import ModelLoadError
-    from muser.identity import model_identity
+    from muser.identity import draft_identity, model_identity
 
     sides = {}
     for role, node, field in (
@@ -185,7 +185,8 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
             sides[field] = replace(held, backend=node.backend, dtype=node.dtype)
             continue
         try:
-            ident = model_identity(getattr(node, field))
+            path = getattr(node, field)
+            ident = draft_identity(node.backend, path) if field == "draft" else model_identity(path)
         except ModelLoadError as exc:
             raise QualificationError(
                 f"cannot digest {role}.{field} ({exc}): the receipt binds both checkpoints, so "

@@ -23,6 +23,7 @@ import os
 import re
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from muser.backend import ModelIdentity
@@ -162,6 +163,29 @@ def model_identity(path: str | os.PathLike[str]) -> ModelIdentity:
         if newest_mtime < started - RACY_WINDOW_NS:
             _store_cached(key, record)
     return ModelIdentity(path=str(root), **record)
+
+
+NGRAM_DOMAIN = b"muser.ngram-draft.v1\x00"
+NGRAM_MIN_N, NGRAM_MAX_N = 2, 3
+"""The n-gram draft's default match lengths (proposer_mac/backends/ngram.py): they are part
+of its identity, which both daemons and the qualification receipt must compute alike."""
+
+
+def ngram_identity(
+    target: ModelIdentity, min_n: int = NGRAM_MIN_N, max_n: int = NGRAM_MAX_N
+) -> ModelIdentity:
+    """The identity of prompt lookup over `target`'s tokenizer: the target's tokenizer and
+    vocabulary, a digest of the lookup's settings, no weights of its own."""
+    recipe = f"prompt-lookup min_n={min_n} max_n={max_n} most-recent".encode()
+    digest = hashlib.sha256(NGRAM_DOMAIN + recipe + target.tokenizer_digest.encode())
+    return replace(target, model_digest=digest.hexdigest(), architecture=f"ngram({min_n}..{max_n})")
+
+
+def draft_identity(backend: str, path: str | os.PathLike[str]) -> ModelIdentity:
+    """A draft's identity as the cluster file names it: its checkpoint's, or for the n-gram
+    backend (whose path is the target's checkpoint) `ngram_identity` of that checkpoint."""
+    ident = model_identity(path)
+    return ngram_identity(ident) if backend == "ngram" else ident
 
 
 def require_shared_tokenizer(target: ModelIdentity, draft: ModelIdentity) -> None:

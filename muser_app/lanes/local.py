@@ -56,6 +56,7 @@ def run_local(
         depth = width.choose(remaining)
         proposal = drafter.draft(transcript, rng, depth)
         t1 = time.perf_counter()
+        depth = len(proposal.drafts)  # a draft may decline to propose (the n-gram draft)
         if depth == 0:  # a draftless round: the target decodes decode_len tokens itself
             decoded = decode_round(executor, transcript, rng, width.decode_len(remaining), params)
             logits, accepted, emitted = decoded.logits, 0, decoded.tokens

@@ -23,9 +23,7 @@ draft there (a round may draft fewer than D tokens, or none: then the verifier d
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +31,7 @@ import numpy as np
 from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import InvalidOverrideError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
-from muser.identity import model_identity
-
-NGRAM_DOMAIN = b"muser.ngram-draft.v1\x00"
+from muser.identity import NGRAM_MAX_N, NGRAM_MIN_N, model_identity, ngram_identity
 
 
 def no_proposal(row: np.ndarray) -> bool:
@@ -53,8 +49,8 @@ class NgramDraft(HeldTokens):
         self,
         path: str | Path,
         *,
-        min_n: int = 2,
-        max_n: int = 3,
+        min_n: int = NGRAM_MIN_N,
+        max_n: int = NGRAM_MAX_N,
         context_length: int | None = None,
     ) -> None:
         self._setup(
@@ -62,7 +58,13 @@ class NgramDraft(HeldTokens):
         )
 
     @classmethod
-    def over(cls, target: ModelIdentity, geometry: Geometry, min_n: int = 2, max_n: int = 3):
+    def over(
+        cls,
+        target: ModelIdentity,
+        geometry: Geometry,
+        min_n: int = NGRAM_MIN_N,
+        max_n: int = NGRAM_MAX_N,
+    ) -> NgramDraft:
         """The draft for a target known by its identity and geometry (no files read)."""
         draft = object.__new__(cls)
         draft._setup(target, geometry, min_n, max_n)
@@ -75,11 +77,7 @@ class NgramDraft(HeldTokens):
         if min_n > max_n:
             raise InvalidOverrideError(f"ngram min_n {min_n} exceeds max_n {max_n}")
         self.min_n, self.max_n = min_n, max_n
-        recipe = f"prompt-lookup min_n={min_n} max_n={max_n} most-recent".encode()
-        digest = hashlib.sha256(NGRAM_DOMAIN + recipe + target.tokenizer_digest.encode())
-        self.identity = replace(
-            target, model_digest=digest.hexdigest(), architecture=f"ngram({min_n}..{max_n})"
-        )
+        self.identity = ngram_identity(target, min_n, max_n)
         self.geometry = geometry
         self.device = "cpu"
         self._tokens: list[int] = []

@@ -39,11 +39,18 @@ def fixture_pair():
     return build_fixtures(progress=False).natural
 
 
-def make_cluster(directory: Path, pair, *, draft_len: int = 4, edit=None) -> Cluster:
+def make_cluster(
+    directory: Path, pair, *, draft_len: int = 4, edit=None, draft_kind: str | None = None
+) -> Cluster:
+    """A qualified loopback cluster on `pair`; `draft_kind="ngram"` drafts by prompt lookup
+    on the pair's target instead of running its draft."""
     from muser_app.cli.config import init_cluster
     from tests.qualify.receipts import qualified_receipt
 
-    path = init_cluster(directory, target=pair.target, draft=pair.draft, draft_len=draft_len)
+    draft = None if draft_kind == "ngram" else pair.draft
+    path = init_cluster(
+        directory, target=pair.target, draft=draft, draft_len=draft_len, draft_kind=draft_kind
+    )
     if edit is not None:
         path.write_text(edit(path.read_text()))
     config = load_config(path)

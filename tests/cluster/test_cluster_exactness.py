@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from muser.sampling import SamplingParams
+from muser.width import FixedWidth
 from muser_app.cli.cluster_client import stream_generate
 from muser_app.fixtures import natural_prompts
 from muser_app.lanes.local import run_local
@@ -115,3 +116,34 @@ def test_status_waits_for_both_daemons_and_says_where_they_run_and_their_heap(cl
         # the daemon froze its loaded heap out of the cyclic collector and times its passes
         gc = report[role]["status"]["gc"]
         assert gc["watched"] and gc["frozen"] > 100_000, gc
+
+
+def test_a_cluster_drafting_by_ngram_lookup_is_exact(tmp_path, fixture_pair, models):
+    """proposer.backend = "ngram": the receipt binds the lookup's identity (not the target's
+    checkpoint it reads), sessions open, greedy text is plain decode's and sampled text the
+    local lane's with the same draft."""
+    from tests.cluster.conftest import make_cluster
+
+    tok, target, _ = models
+    cluster = make_cluster(tmp_path, fixture_pair, draft_kind="ngram")
+    cluster.start()
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=128)
+        for i, text in enumerate(natural_prompts(2)):
+            prompt = encode(tok, text)
+            target.reset()
+            oracle = run_plain(target, prompt, greedy).tokens
+            got = stream_generate(cluster.address, prompt, greedy)
+            assert got["tokens"] == oracle, f"prompt {i}: cluster differs from plain decode"
+            assert got["stats"]["drafted"] > 0
+        sampled = SamplingParams(temperature=1.0, max_tokens=96, seed=7)
+        prompt = encode(tok, natural_prompts(1)[0])
+        target.reset()
+        ngram = load_draft_backend("ngram", fixture_pair.target)
+        lane = cluster.config.lane  # a round the lookup declines decodes lane.decode_len
+        width = FixedWidth(lane.draft_len, lane.decode_len)
+        local = run_local(target, ngram, prompt, sampled, q_top_k=lane.q_top_k, width=width)
+        local = local.tokens
+        assert stream_generate(cluster.address, prompt, sampled)["tokens"] == local
+    finally:
+        cluster.stop()
