@@ -29,6 +29,7 @@ def cluster_lanes(
     *,
     draft_len: int,
     delays_ms: list[float],
+    draft_backend: str | None = None,
     draft_range: tuple[int, int] | None = None,
     target_device: str = "cpu",
     pin: bool = True,
@@ -50,7 +51,14 @@ def cluster_lanes(
     from muser_app.procs import Daemon
 
     with tempfile.TemporaryDirectory(prefix="muser-bench-") as tmp, contextlib.ExitStack() as stack:
-        base = init_cluster(Path(tmp), target=target_dir, draft=draft_dir, draft_len=draft_len)
+        base = init_cluster(
+            Path(tmp),
+            target=target_dir,
+            draft=None if draft_backend == "ngram" else draft_dir,
+            draft_backend=draft_backend,
+            draft_len=draft_len,
+            draft_kind="ngram" if draft_backend == "ngram" else "trained",
+        )
         if draft_range is not None:
             lo, hi = draft_range
             text = base.read_text()

@@ -88,6 +88,33 @@ def _transformers_assisted(target_dir: Path, draft_dir: Path, draft_len: int) ->
     return run
 
 
+def _transformers_prompt_lookup(target_dir: Path, draft_len: int) -> LaneFn:
+    """transformers' prompt lookup decoding (`prompt_lookup_num_tokens`): the n-gram peer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+
+    def run(prompt: list[int], max_tokens: int) -> Sample:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                prompt_lookup_num_tokens=draft_len,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        wall = time.perf_counter() - start
+        return Sample("hf-prompt-lookup", 0, 0, out[0, len(prompt) :].tolist(), wall)
+
+    return run
+
+
 def _mlx_speculative(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneFn:
     import mlx.core as mx
     from mlx_lm import load
@@ -202,6 +229,10 @@ def build_lanes(
     notes: dict[str, str] = {}
     if peers and target_device != "cpu":
         notes["peers"] = f"peers run the target on CPU; skipped with the target on {target_device}"
+    elif peers and params.greedy and draft_backend == "ngram":
+        lanes["hf-prompt-lookup"] = _transformers_prompt_lookup(target_dir, draft_len)
+        notes["mlx-lm-speculative"] = "mlx-lm drafts with a model only; no n-gram peer there"
+        notes[PEER] = "vLLM's ngram method is not wired into this peer yet"
     elif peers and params.greedy:
         lanes["hf-assisted"] = _transformers_assisted(target_dir, draft_dir, draft_len)
         lanes["mlx-lm-speculative"] = _mlx_speculative(target_dir, draft_dir, draft_len)

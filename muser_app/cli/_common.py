@@ -36,8 +36,29 @@ DECODE_LEN = 8
 """Tokens a draftless round of the local lane decodes (lane.decode_len's default)."""
 
 
+def add_pair_args(g) -> None:
+    """--pair and --draft-kind (muser_app.pairs), on every command that picks models."""
+    from muser_app.pairs import DEFAULT_PAIR, DRAFT_KINDS, PAIR_ENV, PAIRS
+
+    g.add_argument(
+        "--pair",
+        default=None,
+        metavar="NAME",
+        help=f"the target/draft pair: {', '.join(PAIRS)} (default {DEFAULT_PAIR}, or "
+        f"${PAIR_ENV}); built once and cached",
+    )
+    g.add_argument(
+        "--draft-kind",
+        default=None,
+        metavar="KIND",
+        help=f"which of the pair's drafts: {', '.join(DRAFT_KINDS)} (default: the pair's best "
+        "measured; ngram is prompt lookup, no model)",
+    )
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models (default: the built fixture pair)")
+    g = p.add_argument_group("models (default: the default pair, built once and cached)")
+    add_pair_args(g)
     g.add_argument("--target", type=Path, help="target checkpoint directory (Hugging Face format)")
     g.add_argument("--draft", type=Path, help="draft checkpoint directory (same tokenizer)")
     g.add_argument(
@@ -50,7 +71,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--draft-backend",
         default=None,
         choices=["torch", "mlx"],
-        help="draft backend: torch (default here) or mlx (Metal on a Mac, CPU elsewhere)",
+        help="draft backend of a trained draft: torch (default here) or mlx (Metal on a Mac, "
+        "CPU elsewhere)",
     )
     g.add_argument(
         "--draft-len",
@@ -144,11 +166,26 @@ class OpenedModels:
     tokenizer: object
 
 
-def default_pair(progress: bool = True) -> tuple[Path, Path]:
-    from muser_app.fixtures import build_fixtures
+def pair_models(args: argparse.Namespace, *, need_draft: bool = True, progress: bool = True):
+    """The models the flags name: --pair/--draft-kind, with --target/--draft overriding the
+    pair's files (muser_app.pairs.resolve); refuses --draft-backend with the n-gram draft."""
+    from muser_app.pairs import resolve
 
-    fixtures = build_fixtures(progress=progress)
-    return fixtures.natural.target, fixtures.natural.draft
+    models = resolve(
+        getattr(args, "pair", None),
+        getattr(args, "draft_kind", None),
+        progress=progress,
+        target=getattr(args, "target", None),
+        draft=getattr(args, "draft", None),
+        need_draft=need_draft,
+    )
+    backend = getattr(args, "draft_backend", None)
+    if models.draft_backend == "ngram" and backend is not None:
+        raise RefusedError(
+            f"--draft-backend {backend} received with the n-gram draft, which runs no model; "
+            "drop --draft-backend or choose --draft-kind trained"
+        )
+    return models
 
 
 def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
@@ -159,11 +196,8 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
     from proposer_mac.backends import load_draft_backend
     from verifier_gx.backends import load_target_backend
 
-    target_dir, draft_dir = args.target, args.draft
-    if target_dir is None or (need_draft and draft_dir is None):
-        fixture_target, fixture_draft = default_pair(progress=sys.stderr.isatty())
-        target_dir = target_dir or fixture_target
-        draft_dir = draft_dir or fixture_draft
+    models = pair_models(args, need_draft=need_draft, progress=sys.stderr.isatty())
+    target_dir, draft_dir = models.target, models.draft
     overrides = {}
     if args.context_length is not None:
         overrides["context_length"] = args.context_length
@@ -176,9 +210,10 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
             args.draft_len = LOCAL_DRAFT_LEN
         if args.draft_len < 0:
             raise RefusedError(f"--draft-len must be >= 0, got {args.draft_len}")
-        draft = load_draft_backend(
-            args.draft_backend or "torch", draft_dir, window=args.draft_window, **overrides
-        )
+        backend = models.draft_backend or args.draft_backend or "torch"
+        if backend == "ngram":
+            overrides.pop("rope_theta", None)  # no model: nothing rotates (the target's does)
+        draft = load_draft_backend(backend, draft_dir, window=args.draft_window, **overrides)
         require_shared_tokenizer(target.identity, draft.identity)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     return OpenedModels(target, draft, tokenizer)

@@ -58,7 +58,15 @@ def register(sub, name: str, help_text: str) -> None:
         default=DEFAULT_Q_TOP_K,
         help=f"draft row width (default {DEFAULT_Q_TOP_K})",
     )
-    p.add_argument("--draft-backend", choices=["torch", "mlx"], default="torch")
+    from muser_app.cli._common import add_pair_args
+
+    add_pair_args(p)
+    p.add_argument(
+        "--draft-backend",
+        choices=["torch", "mlx"],
+        default=None,
+        help="a trained draft's backend (default torch; the n-gram draft has its own)",
+    )
     p.add_argument(
         "--target-device",
         default="cpu",
@@ -236,14 +244,22 @@ def _run_lanes(args: argparse.Namespace) -> int:
     from muser_app.bench.lanes import build_lanes
     from muser_app.bench.run import format_table, run_bench, summarise, write_receipt
     from muser_app.cli._common import encode_prompt
-    from muser_app.fixtures import build_fixtures, natural_prompts, periodic_prompt
+    from muser_app.fixtures import build_fixtures, periodic_prompt
+    from muser_app.pairs import pair_prompts
 
     delays = args.cluster_delays  # milliseconds (_check_counts)
     variants = _variants(args.cluster_variant, delays)
-    fixtures = build_fixtures(progress=not args.json)
-    pair = _widened(fixtures.periodic if args.periodic else fixtures.natural, args)
+    if args.periodic:
+        pair, name = _widened(build_fixtures(progress=not args.json).periodic, args), "toy"
+        args.draft_backend = args.draft_backend or "torch"
+    else:
+        pair, name = _pair(args)
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
-    texts = [periodic_prompt()] * args.prompts if args.periodic else natural_prompts(args.prompts)
+    texts = (
+        [periodic_prompt()] * args.prompts
+        if args.periodic
+        else pair_prompts(name, args.prompts, tokenizer)
+    )
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     draft_range = _draft_range(args)
@@ -269,6 +285,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
                     pair.draft,
                     params,
                     draft_len=args.draft_len,
+                    draft_backend=args.draft_backend,
                     delays_ms=delays,
                     draft_range=draft_range,
                     target_device=args.target_device,
@@ -286,6 +303,8 @@ def _run_lanes(args: argparse.Namespace) -> int:
     summary = summarise(samples, rtt, _cores(lanes), sampled=args.temperature > 0)
     meta = {
         **_run_meta(args, pair, params, draft_range),
+        "pair": name,
+        "draft_kind": getattr(args, "draft_kind_used", None),
         "fixture": "periodic (control)" if args.periodic else "natural",
         "q_top_k": args.q_top_k,
         "draft_backend": args.draft_backend,
@@ -357,6 +376,18 @@ def _cores(lanes: dict) -> dict[str, dict[str, int]]:
     return out
 
 
+def _pair(args: argparse.Namespace):
+    """The pair the flags name (--pair, --draft-kind, --target/--draft), widened as asked;
+    sets args.draft_backend to what the draft kind runs on."""
+    from muser_app.cli._common import pair_models
+    from muser_app.fixtures import FixturePair
+
+    models = pair_models(args, progress=not args.json)
+    args.draft_backend = models.draft_backend or args.draft_backend or "torch"
+    args.draft_kind_used = models.draft_kind
+    return _widened(FixturePair(models.target, models.draft), args), models.pair
+
+
 def _widened(pair, args: argparse.Namespace):
     """The pair with each model widened as --widen-target and --widen-draft say (1: as built)."""
     from muser_app.fixtures import FixturePair
@@ -407,13 +438,13 @@ def _run_sessions(args: argparse.Namespace) -> int:
         summarise_sessions,
     )
     from muser_app.cli._common import encode_prompt
-    from muser_app.fixtures import build_fixtures, natural_prompts
+    from muser_app.pairs import pair_prompts
 
     sessions = args.sessions  # distinct counts, ascending (_check_counts)
     variants = _variants(args.cluster_variant, [0.0])
-    pair = _widened(build_fixtures(progress=not args.json).natural, args)
+    pair, name = _pair(args)
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
-    prompts = [encode_prompt(tokenizer, t) for t in natural_prompts(max(sessions))]
+    prompts = [encode_prompt(tokenizer, t) for t in pair_prompts(name, max(sessions), tokenizer)]
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     oracle = None
     if params.greedy:

@@ -1,17 +1,24 @@
 """`muser demo`: the README's first command.
 
-Builds (or reuses) the fixtures, writes a throwaway cluster (keys, config) in a temporary
-directory, qualifies its lane against plain decode (`muser qualify`: the verifier refuses
-an unqualified lane), starts the verifier and the proposer daemons on loopback, streams a few
-natural prompts with the text appearing as rounds commit, measures plain target decode on the
-same prompts, prints a table, and shuts everything down — also on Ctrl-C.
+Builds (or reuses) the pair (`--pair`, default smollm2: the real SmolLM2-135M-Instruct),
+writes a throwaway cluster (keys, config) in a temporary directory, qualifies its lane against
+plain decode (`muser qualify`: the verifier refuses an unqualified lane), starts the verifier
+and the proposer daemons on loopback, and streams the prompts with the text appearing as
+rounds commit: on the real pair a chat request through the OpenAI-compatible HTTP API (the
+model's own chat template) and a code continuation, in turn; on the toy pair stdlib code.
+Then it decodes the same prompts with the target alone, prints a table, and shuts everything
+down — also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
+import time
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -35,8 +42,14 @@ def _int_in(low: int, high: int | None = None):
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
+    from muser_app.cli._common import add_pair_args
+
+    add_pair_args(p)
     p.add_argument(
-        "--prompts", type=_int_in(1), default=3, help="natural prompts to stream (default 3)"
+        "--prompts",
+        type=_int_in(1),
+        default=2,
+        help="prompts to stream (default 2; on the real pair chat and code in turn)",
     )
     p.add_argument(
         "--max-tokens", type=_int_in(1), default=128, help="tokens per prompt (default 128)"
@@ -76,10 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace, workdir: Path) -> int:
-    from muser_app.cli._common import default_pair
+    from muser_app.cli._common import pair_models
 
-    say("fixtures (built once, then cached)")
-    target_dir, draft_dir = default_pair(progress=True)
+    say("the pair (built once, then cached)")
+    models = pair_models(args)
+    target_dir, draft_dir = models.target, models.draft
+    say(f"pair {models.pair}: target {target_dir}, draft {models.draft_kind} ({draft_dir})")
 
     from transformers import AutoTokenizer
 
@@ -89,14 +104,18 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
     from muser_app.cli.cluster_client import stream_generate
     from muser_app.cli.config import init_cluster
     from muser_app.cli.qualify import qualify
-    from muser_app.fixtures import natural_prompts
     from muser_app.lanes.plain import run_plain
     from muser_app.procs import Daemon
     from verifier_gx.backends import load_target_backend
 
     say(f"cluster: keys and cluster.toml in {workdir}")
     config = init_cluster(
-        workdir, target=target_dir, draft=draft_dir, draft_len=args.draft_len, force=True
+        workdir,
+        target=target_dir,
+        draft=draft_dir,
+        draft_backend=models.draft_backend,
+        draft_len=args.draft_len,
+        force=True,
     )
     say(f"qualify: the lane against plain decode, then a signed receipt in {workdir}")
     receipt = qualify(load_config(config), progress=True)
@@ -115,23 +134,38 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
             daemon.start()
         proposer = load_config(config).proposer
         target = load_target_backend("torch", target_dir)
-        for i, text in enumerate(natural_prompts(args.prompts)):
+        for i, (kind, text) in enumerate(demo_prompts(models.pair, args.prompts, tokenizer)):
             params = SamplingParams(
                 temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i
             )
-            prompt = list(tokenizer.encode(text, add_special_tokens=False))
-            say(f"prompt {i + 1}/{args.prompts}: the cluster streams each round as it commits")
-            sys.stdout.write(text)
             with pinned(proposer.cpus, "proposer.cpus"):  # the client, on the proposer's CPUs
-                result = stream_generate(
-                    proposer.address,
-                    prompt,
-                    params,
-                    on_event=lambda e: (sys.stdout.write(e.text), sys.stdout.flush()),
-                )
+                if kind == "chat":
+                    say(
+                        f"prompt {i + 1}/{args.prompts}: a chat request through the HTTP API "
+                        f"(POST http://{proposer.http}/v1/chat/completions)"
+                    )
+                    print(f"user: {text}\nassistant: ", end="")
+                    params = replace(params, stop_tokens=(int(tokenizer.eos_token_id),))
+                    prompt, result = chat_stream(proposer.http, text, params, tokenizer, write)
+                else:
+                    say(
+                        f"prompt {i + 1}/{args.prompts}: the cluster streams each round as it "
+                        "commits"
+                    )
+                    write(text)
+                    prompt = list(tokenizer.encode(text, add_special_tokens=False))
+                    result = stream_generate(
+                        proposer.address, prompt, params, on_event=lambda e: write(e.text)
+                    )
             target.reset()
             plain = run_plain(target, prompt, params)
-            same = plain.tokens == result["tokens"]
+            if kind == "chat":  # the API sends text, the stop token left out
+                kept = [t for t in plain.tokens if t not in params.stop_tokens]
+                same = tokenizer.decode(kept) == result["text"]
+                result["tokens_count"] = result["completion_tokens"]
+            else:
+                same = plain.tokens == result["tokens"]
+                result["tokens_count"] = len(result["tokens"])
             rows.append((result, plain, same))
             print()
     except KeyboardInterrupt:
@@ -150,15 +184,15 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
 def _table(rows, greedy: bool) -> None:
     from muser_app.cli._common import stats_table
 
-    tokens = sum(len(r["tokens"]) for r, _, _ in rows)
+    tokens = sum(r["tokens_count"] for r, _, _ in rows)
     wall = sum(r["stats"]["client_wall_s"] for r, _, _ in rows)
     plain_tokens = sum(len(p.tokens) for _, p, _ in rows)
     plain_wall = sum(p.stats.wall_s for _, p, _ in rows)
     drafted = sum(r["stats"]["drafted"] for r, _, _ in rows)
     accepted = sum(r["stats"]["accepted"] for r, _, _ in rows)
     rounds = sum(r["stats"]["rounds"] for r, _, _ in rows)
-    split = {
-        k: sum(r["stats"]["split_s"][k] for r, _, _ in rows)
+    split = {  # the gRPC client's statistics carry the split; the HTTP API's do not
+        k: sum(r["stats"]["split_s"][k] for r, _, _ in rows if "split_s" in r["stats"])
         for k in ("draft", "transport", "verify", "wal", "sign")
     }
     cluster_rate, plain_rate = tokens / wall, plain_tokens / plain_wall
@@ -174,7 +208,10 @@ def _table(rows, greedy: bool) -> None:
                     f"{accepted / drafted:.3f} ({accepted}/{drafted})" if drafted else "-",
                 ),
                 ("tokens per round", f"{tokens / rounds:.2f} (includes the next frontier)"),
-                ("round split", ", ".join(f"{k} {v:.2f}s" for k, v in split.items())),
+                (
+                    "round split (gRPC prompts)",
+                    ", ".join(f"{k} {v:.2f}s" for k, v in split.items()),
+                ),
                 (
                     "exactness",
                     "greedy output identical to plain decode"
@@ -184,3 +221,68 @@ def _table(rows, greedy: bool) -> None:
             ]
         )
     )
+
+
+CODE_PROMPT = "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
+"""The real pair's code continuation (a function every code model has seen written)."""
+
+
+def write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def demo_prompts(pair: str, n: int, tokenizer) -> list[tuple[str, str]]:
+    """(kind, text) for each prompt: on the real pair chat requests and code in turn, on the
+    toy pair held-out stdlib code."""
+    from muser_app.fixtures import natural_prompts
+    from muser_app.fixtures.texts import CHAT_REQUESTS, heldout_prompts
+
+    if pair == "toy":
+        return [("code", text) for text in natural_prompts(n)]
+    chats = list(CHAT_REQUESTS)
+    code = [CODE_PROMPT, *heldout_prompts("code", n, tokenizer)]
+    return [("chat", chats[i // 2]) if i % 2 == 0 else ("code", code[i // 2]) for i in range(n)]
+
+
+def chat_stream(http: str, request: str, params, tokenizer, write) -> tuple[list[int], dict]:
+    """One chat request through the proposer's OpenAI-compatible API, streamed: the prompt as
+    the API renders it (the model's chat template) and the result in `stream_generate`'s
+    shape (tokens re-encoded from the text the API sent, its statistics from `muser`)."""
+    from proposer_mac.openai_request import chat_prompt
+
+    messages = [{"role": "user", "content": request}]
+    body = {
+        "model": "muser",
+        "messages": messages,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "seed": params.seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    post = urllib.request.Request(
+        f"http://{http}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    texts, stats, usage = [], {}, {}
+    start = time.perf_counter()
+    with urllib.request.urlopen(post, timeout=600) as resp:
+        for line in resp:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                texts.append(piece)
+                write(piece)
+            stats = event.get("muser", stats)
+            usage = event.get("usage", usage)
+    wall = time.perf_counter() - start
+    prompt = list(tokenizer.encode(chat_prompt(tokenizer, messages), add_special_tokens=False))
+    return prompt, {
+        "text": "".join(texts),
+        "completion_tokens": usage.get("completion_tokens", 0),
+        "stats": {**stats, "client_wall_s": wall},
+    }

@@ -27,6 +27,13 @@ def register(subparsers: Any, name: str, help_text: str) -> None:
     )
     _common(build)
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.add_argument(
+        "--pair",
+        choices=["all", "toy", "smollm2"],
+        default="all",
+        help="which pairs to build (default all: the toy pair and the periodic control, then "
+        "SmolLM2 converted from its registry wheel and its distilled draft)",
+    )
     build.set_defaults(func=run_build)
 
     info = sub.add_parser(
@@ -77,10 +84,20 @@ def run_build(args: argparse.Namespace) -> int:
     """Build or find the fixtures; print where they are."""
     from muser_app.fixtures import build_fixtures
 
-    fx = build_fixtures(args.out, progress=True, force=args.force)
-    paths = _paths(fx)
+    paths: dict[str, str] = {}
+    if args.pair in ("all", "toy"):
+        fx = build_fixtures(args.out, progress=True, force=args.force)
+        paths |= {**_paths(fx), "key": fx.manifest()["key"]}
+    if args.pair in ("all", "smollm2"):
+        from muser_app.fixtures.build import cache_dir
+        from muser_app.fixtures.smol_draft import build_smol_draft
+        from muser_app.fixtures.smollm2 import build_smollm2
+
+        target = build_smollm2(cache_dir(), progress=True, force=args.force)
+        paths["smollm2_target"] = str(target)
+        paths["smollm2_draft"] = str(build_smol_draft(target, progress=True, force=args.force))
     if args.json:
-        print(json.dumps({**paths, "key": fx.manifest()["key"]}, sort_keys=True))
+        print(json.dumps(paths, sort_keys=True))
     else:
         for label, path in paths.items():
             print(f"{label:16s} {path}")
@@ -90,12 +107,19 @@ def run_build(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     """Measure the fixtures (the numbers docs/fixtures.md quotes)."""
     from muser_app.fixtures import build_fixtures, metrics
+    from muser_app.pairs import PAIRS, describe
 
     fx = build_fixtures(args.out, progress=True)
     result = {**_paths(fx), **metrics(fx)}
+    pairs = {name: describe(name) for name in PAIRS}
     if args.json:
-        print(json.dumps(result, sort_keys=True))
+        print(json.dumps({**result, "pairs": pairs}, sort_keys=True))
         return 0
+    for name, pair in pairs.items():
+        print(f"pair {name}{' (default)' if pair['default'] else ''}: {pair['about']}")
+        for role, model in [("target", pair["target"]), *pair["drafts"].items()]:
+            size = f"{model['bytes'] / 1e6:.1f} MB" if model["bytes"] else "no weights"
+            print(f"  {role:8s} {size:>10s}  {model['model_digest'][:16]}  {model['path']}")
     for key, value in result.items():
         if isinstance(value, dict):
             for sub, v in value.items():

@@ -228,7 +228,9 @@ def _load_backends(config: ClusterConfig) -> tuple:
 
     v, p = config.verifier, config.proposer
     target = load_target_backend(v.backend, v.target, device=v.device, dtype=v.dtype)
-    draft = load_draft_backend(p.backend, p.draft, **draft_options(p.backend, device=p.device, dtype=p.dtype))
+    draft = load_draft_backend(
+        p.backend, p.draft, **draft_options(p.backend, device=p.device, dtype=p.dtype)
+    )
     require_shared_tokenizer(target.identity, draft.identity)
     return target, draft
 

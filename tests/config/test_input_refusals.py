@@ -229,7 +229,7 @@ def test_demo_refuses_counts_it_cannot_use_before_any_work(monkeypatch, capsys, 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo started work on an argument it should have refused")
 
-    monkeypatch.setattr(muser_app.cli._common, "default_pair", no_work)
+    monkeypatch.setattr(muser_app.cli._common, "pair_models", no_work)
     with pytest.raises(SystemExit) as exit_:
         main(["demo", *argv])
     assert exit_.value.code == 2
@@ -252,6 +252,6 @@ def test_demo_refuses_sampling_flags_before_any_work(monkeypatch, capsys, argv, 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo started work on an argument it should have refused")
 
-    monkeypatch.setattr(muser_app.cli._common, "default_pair", no_work)
+    monkeypatch.setattr(muser_app.cli._common, "pair_models", no_work)
     assert main(["demo", *argv]) == 2
     assert message in capsys.readouterr().err
