@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow lint clean vllm-env test-vllm
+.PHONY: setup demo test test-slow lint clean vllm-env test-vllm llama-env
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,9 +44,26 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/muser fixtures build
 	$(VLLM_VENV)/bin/pytest -m vllm
 
+# llama.cpp, a bench peer only (muser_app/bench/llama_peer.py): its source comes vendored in
+# the llama-cpp-python sdist; two tools are built with cmake into .llama (6 min on 2 cores).
+LLAMA_DIR := .llama
+LLAMA_VERSION := 0.3.36
+LLAMA_SRC := $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp
+LLAMA_STAMP := $(LLAMA_DIR)/.built
+
+$(LLAMA_STAMP):
+	mkdir -p $(LLAMA_DIR)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_DIR)
+	tar -xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -G Ninja -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(LLAMA_DIR)/build --target llama-speculative llama-lookup
+	touch $(LLAMA_STAMP)
+
+llama-env: $(LLAMA_STAMP)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_DIR)

@@ -88,6 +88,19 @@ def _transformers_assisted(target_dir: Path, draft_dir: Path, draft_len: int) ->
     return run
 
 
+def _add_llama(lanes, notes, kind, target_dir, draft_dir, draft_len) -> None:
+    """llama.cpp's lane of `kind` (muser_app/bench/llama_peer.py), or the note why not."""
+    from transformers import AutoTokenizer
+
+    from muser_app.bench.llama_peer import llama_lane
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    lane, note = llama_lane(kind, target_dir, draft_dir, draft_len, tokenizer)
+    notes[f"llama.cpp-{kind}"] = note
+    if lane is not None:
+        lanes[f"llama.cpp-{kind}"] = lane
+
+
 def _transformers_prompt_lookup(target_dir: Path, draft_len: int) -> LaneFn:
     """transformers' prompt lookup decoding (`prompt_lookup_num_tokens`): the n-gram peer."""
     import torch
@@ -146,11 +159,12 @@ def _mlx_speculative(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneF
 
 
 def vllm_speculative_lane(
-    python: Path | None, target_dir: Path, draft_dir: Path, draft_len: int
+    python: Path | None, target_dir: Path, draft_dir: Path | None, draft_len: int
 ) -> tuple[LaneFn | None, str]:
-    """vLLM's draft-model speculative decoding in a child process under `python` (a vLLM
-    environment's interpreter; None when there is none), and its note: why it was skipped,
-    or what it cost to start (engine start is never in its tokens/s)."""
+    """vLLM's draft-model speculative decoding (`draft_dir` None: its ngram method) in a
+    child process under `python` (a vLLM environment's interpreter; None when there is none),
+    and its note: why it was skipped, or what it cost to start (engine start is never in its
+    tokens/s)."""
     import atexit
 
     from muser_app.bench.vllm_peer import (
@@ -231,10 +245,15 @@ def build_lanes(
         notes["peers"] = f"peers run the target on CPU; skipped with the target on {target_device}"
     elif peers and params.greedy and draft_backend == "ngram":
         lanes["hf-prompt-lookup"] = _transformers_prompt_lookup(target_dir, draft_len)
+        _add_llama(lanes, notes, "lookup", target_dir, None, draft_len)
         notes["mlx-lm-speculative"] = "mlx-lm drafts with a model only; no n-gram peer there"
-        notes[PEER] = "vLLM's ngram method is not wired into this peer yet"
+        python = default_vllm_python(vllm_python)
+        lane, notes[PEER] = vllm_speculative_lane(python, target_dir, None, draft_len)
+        if lane is not None:
+            lanes[PEER] = lane
     elif peers and params.greedy:
         lanes["hf-assisted"] = _transformers_assisted(target_dir, draft_dir, draft_len)
+        _add_llama(lanes, notes, "speculative", target_dir, draft_dir, draft_len)
         lanes["mlx-lm-speculative"] = _mlx_speculative(target_dir, draft_dir, draft_len)
         python = default_vllm_python(vllm_python)
         lane, notes[PEER] = vllm_speculative_lane(python, target_dir, draft_dir, draft_len)

@@ -10,7 +10,7 @@ Protocol: one JSON object per line; the parent writes the child's stdin, the chi
 on its own copy of stdout (fd 1 itself is pointed at stderr, so vLLM's prints and logs can
 never corrupt it; stderr goes to a log file the parent quotes when something fails).
 
-    parent → {"target": DIR, "draft": DIR, "draft_len": D}
+    parent → {"target": DIR, "draft": DIR or null (vLLM's ngram method), "draft_len": D}
     child  → {"ready": true, "vllm": VERSION, "import_s": S, "engine_s": S, "threads": N}
              or {"error": MESSAGE}
     parent → {"prompt": [ids], "max_tokens": N}               (once per run)
@@ -94,7 +94,8 @@ def vllm_distribution(python: Path) -> str | None:
 class VllmSpeculativePeer:
     """The parent's side: one child, one engine; called like a lane (`prompt, max_tokens`)."""
 
-    def __init__(self, python: Path, target_dir: Path, draft_dir: Path, draft_len: int):
+    def __init__(self, python: Path, target_dir: Path, draft_dir: Path | None, draft_len: int):
+        """`draft_dir` None: vLLM's ngram method (prompt lookup) instead of a draft model."""
         self.python = Path(python)
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the peer)
             "w+", prefix="muser-vllm-peer-", suffix=".log"
@@ -112,7 +113,11 @@ class VllmSpeculativePeer:
         )
         try:
             ready = self._ask(
-                {"target": str(target_dir), "draft": str(draft_dir), "draft_len": draft_len},
+                {
+                    "target": str(target_dir),
+                    "draft": None if draft_dir is None else str(draft_dir),
+                    "draft_len": draft_len,
+                },
                 START_TIMEOUT_S,
             )
             if not ready.get("ready"):
@@ -187,20 +192,24 @@ def _start(cfg: dict) -> tuple[object, dict]:
     t1 = time.perf_counter()
     torch.set_num_threads(1)  # as every lane (muser_app.bench.run); vLLM forbids it after start
     max_model_len = read_geometry(cfg["target"]).context_length
+    if cfg["draft"] is None:  # vLLM's prompt lookup, with our n-gram draft's match lengths
+        from muser.identity import NGRAM_MAX_N, NGRAM_MIN_N
+
+        spec = {"method": "ngram", "prompt_lookup_min": NGRAM_MIN_N,
+                "prompt_lookup_max": NGRAM_MAX_N}  # fmt: skip
+    else:
+        spec = {"method": "draft_model", "model": cfg["draft"]}
+    models = [m for m in (cfg["target"], cfg["draft"]) if m is not None]
     llm = LLM(
         model=cfg["target"],
-        speculative_config={
-            "method": "draft_model",
-            "model": cfg["draft"],
-            "num_speculative_tokens": int(cfg["draft_len"]),
-        },
+        speculative_config={**spec, "num_speculative_tokens": int(cfg["draft_len"])},
         dtype="float32",
         max_model_len=max_model_len,
         block_size=32,
         enforce_eager=True,
         enable_prefix_caching=False,
         seed=0,
-        kv_cache_memory_bytes=_kv_bytes([cfg["target"], cfg["draft"]], max_model_len),
+        kv_cache_memory_bytes=_kv_bytes(models, max_model_len),
         disable_log_stats=False,  # the spec-decode counters come from the stats
     )
     t2 = time.perf_counter()

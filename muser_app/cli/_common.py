@@ -180,7 +180,7 @@ def pair_models(args: argparse.Namespace, *, need_draft: bool = True, progress: 
         need_draft=need_draft,
     )
     backend = getattr(args, "draft_backend", None)
-    if models.draft_backend == "ngram" and backend is not None:
+    if models.draft_backend == "ngram" and backend not in (None, "ngram"):
         raise RefusedError(
             f"--draft-backend {backend} received with the n-gram draft, which runs no model; "
             "drop --draft-backend or choose --draft-kind trained"

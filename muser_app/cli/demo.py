@@ -105,9 +105,11 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
     from muser_app.cli.config import init_cluster
     from muser_app.cli.qualify import qualify
     from muser_app.lanes.plain import run_plain
+    from muser_app.pairs import pair_prompts
     from muser_app.procs import Daemon
     from verifier_gx.backends import load_target_backend
 
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     say(f"cluster: keys and cluster.toml in {workdir}")
     config = init_cluster(
         workdir,
@@ -118,7 +120,9 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
         force=True,
     )
     say(f"qualify: the lane against plain decode, then a signed receipt in {workdir}")
-    receipt = qualify(load_config(config), progress=True)
+    receipt = qualify(  # two prompts: the least that shows code and chat on the real pair
+        load_config(config), pair_prompts(models.pair, 2, tokenizer), progress=True
+    )
     e = receipt.evidence
     print(
         f"qualified: {e.prompts} prompts x {e.tokens_per_prompt} greedy tokens identical, "
@@ -126,7 +130,6 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
         file=sys.stderr,
     )
     daemons = [Daemon("verifier", config, workdir), Daemon("proposer", config, workdir)]
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     rows = []
     try:
         for daemon in daemons:

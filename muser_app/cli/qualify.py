@@ -9,7 +9,9 @@ and every full target row within the tolerance in log-prob; then the acceptance 
 prompts must reach lane.acceptance_floor. A failure exits 1, writes no receipt and removes a
 previous one: the lane is then unqualified until a run passes.
 
-Prompts: by default the first 4 fixture natural prompts (muser_app.fixtures.natural_prompts).
+Prompts: by default 4 held-out natural prompts of the pair (`--pair`; by default the one
+whose kind of target the cluster file names: code, prose and chat in turn for a target with a
+chat template such as SmolLM2, the toy pair's stdlib code otherwise; muser_app.pairs).
 `--prompts FILE` is JSONL, one prompt per line, each a JSON string or {"prompt": "..."}
 (JSON because natural prompts span several lines); blank lines are skipped.
 """
@@ -43,6 +45,13 @@ def register(sub, name: str, help_text: str) -> None:
         "the lane fails (no receipt is left behind).",
     )
     p.add_argument("--config", type=Path, required=True, help="cluster.toml")
+    p.add_argument(
+        "--pair",
+        default=None,
+        metavar="NAME",
+        help="whose held-out prompts to decode (smollm2: code, prose, chat; toy: stdlib code); "
+        "default: smollm2's for a target with a chat template, else toy's",
+    )
     p.add_argument(
         "--prompts",
         type=Path,
@@ -242,6 +251,7 @@ def qualify(
     tokens: int | None = None,
     tolerance: float | None = None,
     progress: bool = True,
+    pair: str | None = None,
 ) -> Receipt:
     """Qualify `config`'s lane and write its receipt (returned) to lane.receipt, signed with
     the verifier's key; QualificationFailed (the receipt removed) when the lane fails."""
@@ -254,7 +264,7 @@ def qualify(
     from muser import keys
     from muser_app.checks import check_config
     from muser_app.cli._common import encode_prompt
-    from muser_app.fixtures import natural_prompts
+    from muser_app.pairs import check_pair, pair_prompts
 
     tokens = MIN_TOKENS if tokens is None else tokens
     tolerance = qualification.DEFAULT_TOLERANCE if tolerance is None else tolerance
@@ -264,12 +274,15 @@ def qualify(
         raise RefusedError(f"--tolerance must be a finite number >= 0, got {tolerance}")
     check_config(config, receipt=False)
     binding = qualification.binding_of(config)
-    texts = list(texts) if texts is not None else natural_prompts(DEFAULT_PROMPTS)
+    tokenizer = AutoTokenizer.from_pretrained(str(config.verifier.target))
+    if texts is None:
+        name = pair or ("smollm2" if getattr(tokenizer, "chat_template", None) else "toy")
+        texts = pair_prompts(check_pair(name), DEFAULT_PROMPTS, tokenizer)
+    texts = list(texts)
     target, draft = _load_backends(config)
     for side, backend in (("target", target), ("draft", draft)):
         if backend.identity.model_digest != getattr(binding, side).model_digest:
             raise QualificationFailed(f"the {side} checkpoint changed while loading; run again")
-    tokenizer = AutoTokenizer.from_pretrained(str(config.verifier.target))
     prompts = [encode_prompt(tokenizer, text) for text in texts]
     lane = config.lane
     try:
@@ -304,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     texts = read_prompts(args.prompts) if args.prompts is not None else None
-    receipt = qualify(config, texts, tokens=args.tokens, tolerance=args.tolerance)
+    receipt = qualify(config, texts, tokens=args.tokens, tolerance=args.tolerance, pair=args.pair)
     if args.json:
         print(json.dumps({"path": str(config.lane.receipt), **to_json(receipt)}, indent=2))
         return 0

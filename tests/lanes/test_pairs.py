@@ -76,3 +76,17 @@ def test_config_init_writes_the_pairs_ngram_draft(toy, tmp_path, capsys) -> None
     assert Path(config.proposer.draft) == Path(config.verifier.target) == toy.target
     capsys.readouterr()
     assert main(["config", "check", str(tmp_path / "cluster.toml"), "--role", "proposer"]) == 0
+
+
+def test_bench_runs_the_ngram_draft_in_every_lane(toy, tmp_path, capsys) -> None:
+    receipt = tmp_path / "r.json"
+    code = main(["bench", "--pair", "toy", "--draft-kind", "ngram", "--no-peers",
+                 "--prompts", "1", "--max-tokens", "24", "--repeats", "1",
+                 "--cluster-delays", "0", "--receipt", str(receipt)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(receipt.read_text())
+    assert (data["meta"]["pair"], data["meta"]["draft_kind"]) == ("toy", "ngram")
+    assert data["meta"]["draft_backend"] == "ngram"
+    summary = data["summary"]
+    assert set(summary) == {"plain", "local", "cluster@0ms"}
+    assert all(lane["exact"] == lane["runs"] for lane in summary.values())

@@ -163,3 +163,21 @@ def test_greedy_local_and_cluster_lanes_equal_plain_on_24_natural_prompts_x_256(
     real, tmp_path
 ) -> None:
     _exactness(real, tmp_path, 24, 256)
+
+
+@pytest.mark.vllm
+def test_vllm_reads_the_same_real_model_as_torch() -> None:
+    """The vLLM target backend (in .venv-vllm) on the converted checkpoint: the same greedy
+    picks and log-probs within 1e-3 of torch's over a prompt and a few decode steps."""
+    models = resolve("smollm2", "ngram", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(models.target))
+    prompt = encode(tokenizer, ["def greet(name):\n    return f'Hello, {name}'\n"])[0]
+    rows = {}
+    for kind in ("torch", "vllm"):
+        backend = load_target_backend(kind, models.target)
+        out = [backend.evaluate(prompt)]
+        for _ in range(4):
+            out.append(backend.evaluate([int(out[-1][-1].argmax())]))
+        rows[kind] = np.concatenate(out)
+    assert (rows["vllm"].argmax(-1) == rows["torch"].argmax(-1)).all()
+    assert np.abs(log_softmax(rows["vllm"]) - log_softmax(rows["torch"])).max() < 1e-3
