@@ -59,15 +59,25 @@ def _ours(
 
 
 def _transformers_assisted(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneFn:
+    """transformers' assisted generation with the pair's draft model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    assistant.generation_config.num_assistant_tokens = draft_len
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return _transformers_generate("hf-assisted", target_dir, assistant_model=assistant)
+
+
+def _transformers_generate(name: str, target_dir: Path, **speculation) -> LaneFn:
+    """The target's own `generate`, greedy, exactly `max_tokens` tokens, with `speculation`
+    (an assistant model, or prompt lookup) as transformers runs it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-    assistant.generation_config.num_assistant_tokens = draft_len
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
         ids = torch.tensor([prompt])
@@ -76,14 +86,14 @@ def _transformers_assisted(target_dir: Path, draft_dir: Path, draft_len: int) ->
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                assistant_model=assistant,
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **speculation,
             )
         wall = time.perf_counter() - start
-        return Sample("hf-assisted", 0, 0, out[0, len(prompt) :].tolist(), wall)
+        return Sample(name, 0, 0, out[0, len(prompt) :].tolist(), wall)
 
     return run
 
@@ -103,29 +113,9 @@ def _add_llama(lanes, notes, kind, target_dir, draft_dir, draft_len) -> None:
 
 def _transformers_prompt_lookup(target_dir: Path, draft_len: int) -> LaneFn:
     """transformers' prompt lookup decoding (`prompt_lookup_num_tokens`): the n-gram peer."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-
-    def run(prompt: list[int], max_tokens: int) -> Sample:
-        ids = torch.tensor([prompt])
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                prompt_lookup_num_tokens=draft_len,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        wall = time.perf_counter() - start
-        return Sample("hf-prompt-lookup", 0, 0, out[0, len(prompt) :].tolist(), wall)
-
-    return run
+    return _transformers_generate(
+        "hf-prompt-lookup", target_dir, prompt_lookup_num_tokens=draft_len
+    )
 
 
 def _mlx_speculative(target_dir: Path, draft_dir: Path, draft_len: int) -> LaneFn:

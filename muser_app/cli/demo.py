@@ -162,9 +162,8 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
                     )
             target.reset()
             plain = run_plain(target, prompt, params)
-            if kind == "chat":  # the API sends text, the stop token left out
-                kept = [t for t in plain.tokens if t not in params.stop_tokens]
-                same = tokenizer.decode(kept) == result["text"]
+            if kind == "chat":  # the API sends text, decoded without special tokens
+                same = tokenizer.decode(plain.tokens, skip_special_tokens=True) == result["text"]
                 result["tokens_count"] = result["completion_tokens"]
             else:
                 same = plain.tokens == result["tokens"]
