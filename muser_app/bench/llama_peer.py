@@ -31,8 +31,9 @@ RUN_TIMEOUT_S = 900.0
 
 
 def llama_dir() -> Path:
-    default = Path(__file__).resolve().parents[2] / ".llama"
-    return Path(os.environ.get(LLAMA_ENV) or default)
+    from muser_app.bench.vllm_peer import PROJECT
+
+    return Path(os.environ.get(LLAMA_ENV) or PROJECT / ".llama")
 
 
 def _tool(name: str) -> Path:

@@ -57,6 +57,12 @@ class VllmPeerError(MuserError):
     """The vLLM child failed or answered out of protocol; the message holds its log tail."""
 
 
+PROJECT = Path(__file__).resolve().parents[2]
+"""The checkout this module runs from (muser_app/bench/ is two floors down)."""
+LOCAL_PYTHON = PROJECT / ".venv-vllm" / "bin" / "python"
+"""`make vllm-env`'s interpreter."""
+
+
 def default_vllm_python(flag: Path | None = None) -> Path | None:
     """`flag`, else $MUSER_VLLM_PYTHON, else `.venv-vllm/bin/python` beside this project when
     present (None then)."""
@@ -64,8 +70,7 @@ def default_vllm_python(flag: Path | None = None) -> Path | None:
         return flag
     if os.environ.get(ENV_PYTHON):
         return Path(os.environ[ENV_PYTHON])
-    local = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-    return local if local.exists() else None
+    return LOCAL_PYTHON if LOCAL_PYTHON.exists() else None
 
 
 _VERSION_PROBE = """
@@ -109,7 +114,7 @@ class VllmSpeculativePeer:
             stderr=self._log,
             text=True,
             env=env,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=PROJECT,
         )
         try:
             ready = self._ask(

@@ -39,3 +39,15 @@ def test_an_unbuilt_tool_is_a_note_naming_the_make_target(tmp_path, monkeypatch)
     )
     lane, note = llama_peer.llama_lane("lookup", Path("t"), None, 4, tokenizer=None)
     assert lane is None and "llama-lookup is not built" in note
+
+
+def test_the_bench_environments_are_looked_for_beside_the_project(monkeypatch) -> None:
+    """Regression: after the layout moved the peer into muser_app/bench/, `.venv-vllm` was
+    looked for inside muser_app/ and the vLLM peer was skipped as absent."""
+    from muser_app.bench import vllm_peer
+
+    root = Path(__file__).resolve().parents[2]
+    assert (root / "pyproject.toml").is_file()
+    assert root / ".venv-vllm" / "bin" / "python" == vllm_peer.LOCAL_PYTHON
+    monkeypatch.delenv(llama_peer.LLAMA_ENV, raising=False)
+    assert llama_peer.llama_dir() == root / ".llama"
