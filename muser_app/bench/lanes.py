@@ -181,7 +181,8 @@ def vllm_speculative_lane(
     atexit.register(peer.close)
     info = peer.info
     return peer, (
-        f"ran in a child process under {python} ({info['vllm']}, draft_model method, "
+        f"ran in a child process under {python} ({info['vllm']}, "
+        f"{'ngram' if draft_dir is None else 'draft_model'} method, "
         f"{draft_len} speculative tokens, {info['threads']} torch thread(s), prefix cache off); "
         f"engine start {info['import_s'] + info['engine_s']:.1f} s (import "
         f"{info['import_s']:.1f} s + engine {info['engine_s']:.1f} s), not in tokens/s, which "

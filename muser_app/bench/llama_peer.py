@@ -104,8 +104,10 @@ def llama_lane(
         if done.returncode != 0:
             raise RuntimeError(f"{tool.name} exited {done.returncode}: {done.stderr[-400:]}")
         n, seconds, drafted, accepted = parse_report(done.stderr)
-        text = done.stdout.split(tokenizer.decode(prompt), 1)[-1]
-        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+        # the tool echoes the prompt, may decode a few tokens past -n (a round's drafts), and
+        # ends its output with blank lines of its own
+        text = done.stdout.split(tokenizer.decode(prompt), 1)[-1].removesuffix("\n\n")
+        tokens = list(tokenizer.encode(text, add_special_tokens=False))[:max_tokens]
         wall = seconds * len(tokens) / n if n else seconds  # the tool's own rate
         return Sample(name, 0, 0, tokens, wall, drafted, accepted)
 
