@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -254,8 +255,10 @@ def chat_stream(http: str, request: str, params, tokenizer, write) -> tuple[list
     from proposer_mac.openai_request import chat_prompt
 
     messages = [{"role": "user", "content": request}]
+    with urllib.request.urlopen(f"http://{http}/v1/models", timeout=60) as resp:
+        model = json.load(resp)["data"][0]["id"]  # the name the API serves the target under
     body = {
-        "model": "muser",
+        "model": model,
         "messages": messages,
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
@@ -270,7 +273,14 @@ def chat_stream(http: str, request: str, params, tokenizer, write) -> tuple[list
     )
     texts, stats, usage = [], {}, {}
     start = time.perf_counter()
-    with urllib.request.urlopen(post, timeout=600) as resp:
+    try:
+        resp = urllib.request.urlopen(post, timeout=600)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(
+            f"the proposer's HTTP API refused the demo's chat request ({exc.code}): "
+            f"{exc.read().decode(errors='replace')}"
+        ) from exc
+    with resp:
         for line in resp:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
