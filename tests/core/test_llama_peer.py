@@ -51,3 +51,18 @@ def test_the_bench_environments_are_looked_for_beside_the_project(monkeypatch) -
     assert root / ".venv-vllm" / "bin" / "python" == vllm_peer.LOCAL_PYTHON
     monkeypatch.delenv(llama_peer.LLAMA_ENV, raising=False)
     assert llama_peer.llama_dir() == root / ".llama"
+
+
+def test_a_model_the_converter_cannot_read_is_a_note(tmp_path, monkeypatch) -> None:
+    tool = tmp_path / "build" / "bin" / "llama-lookup"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("")
+    monkeypatch.setenv(llama_peer.LLAMA_ENV, str(tmp_path))  # no vendored converter there
+    model = tmp_path / "model"
+    from muser_app.testing import make_tiny_checkpoint
+
+    make_tiny_checkpoint(model)
+    lane, note = llama_peer.llama_lane("lookup", model, None, 4, tokenizer=None)
+    assert lane is None
+    assert note.startswith(f"skipped: convert_hf_to_gguf.py failed on {model}")
+    assert not list(tmp_path.glob(".model-*.gguf*"))  # nothing half-written is left

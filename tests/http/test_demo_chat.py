@@ -43,3 +43,11 @@ def test_the_demo_alternates_chat_and_code_on_the_real_pair(tokenizer) -> None:
     assert [kind for kind, _ in real] == ["chat", "code", "chat", "code"]
     assert real[1][1].startswith("def merge_sorted(")
     assert {kind for kind, _ in demo_prompts("toy", 3, tokenizer)} == {"code"}
+
+
+def test_a_refused_chat_request_quotes_the_apis_reason(http_cluster, tokenizer) -> None:
+    import pytest
+
+    params = SamplingParams(temperature=-0.0, max_tokens=10**9)
+    with pytest.raises(RuntimeError, match=r"refused the demo's chat request \(400\).*max_tokens"):
+        chat_stream(http_cluster.config.proposer.http, "Hi", params, tokenizer, print)

@@ -90,3 +90,14 @@ def test_bench_runs_the_ngram_draft_in_every_lane(toy, tmp_path, capsys) -> None
     summary = data["summary"]
     assert set(summary) == {"plain", "local", "cluster@0ms"}
     assert all(lane["exact"] == lane["runs"] for lane in summary.values())
+
+
+def test_the_real_pairs_chat_prompts_need_a_chat_template(toy) -> None:
+    from transformers import AutoTokenizer
+
+    from muser_app.pairs import pair_prompts
+
+    plain = AutoTokenizer.from_pretrained(str(toy.target))  # the toy tokenizer has none
+    with pytest.raises(RefusedError, match="need the target's chat template.*--pair toy"):
+        pair_prompts("smollm2", 3, plain)
+    assert len(pair_prompts("toy", 3, plain)) == 3
