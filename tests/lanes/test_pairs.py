@@ -89,7 +89,7 @@ def test_bench_runs_the_ngram_draft_in_every_lane(toy, tmp_path, capsys) -> None
     assert data["meta"]["draft_backend"] == "ngram"
     summary = data["summary"]
     assert set(summary) == {"plain", "local", "cluster@0ms"}
-    assert all(lane["exact"] == lane["runs"] for lane in summary.values())
+    assert all(lane["greedy_match_plain"] == "1/1" for lane in summary.values())
 
 
 def test_the_real_pairs_chat_prompts_need_a_chat_template(toy) -> None:
