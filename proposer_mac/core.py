@@ -64,9 +64,9 @@ class ProposerCore:
         """Sessions draft on sequences of `draft` and wait in the draft thread together."""
         self.draft_identity = _identity(draft.identity)
         self.target_identity = target_identity or _target_identity(config)
-        self.target_context_length: int | None = None
-        """The target's context window as its verifier reports it (`ask_target_identity`),
-        for a proposer without the target's files."""
+        self.target_context_length: int | None = _target_context_length(config)
+        """The target's context window: from its files when they are on this machine, else
+        as its verifier reports it (`ask_target_identity`)."""
         Path(p.wal_dir).mkdir(parents=True, exist_ok=True)
         self.stats = DaemonStats()
         """Journal fsyncs; the rounds are each runner's LaneStats (`metrics_view` sums them)."""
@@ -101,6 +101,7 @@ class ProposerCore:
         self.retired = LaneStats(phases={})
         """The summed stats of finished sessions forgotten beyond limits.finished_sessions."""
         self._tokenizer = tokenizer
+        self._token_bytes: int | None = None
 
     @property
     def tokenizer(self):
@@ -225,10 +226,36 @@ class ProposerCore:
 
     async def new_session(self, request: pb.GenerateRequest) -> SessionRunner:
         params = convert.params_from_pb(request.params)
-        prompt = list(request.prompt_tokens) or list(
-            self.tokenizer.encode(request.prompt, add_special_tokens=False)
-        )
+        self._check_fits(len(request.prompt_tokens), "prompt_tokens")
+        prompt = list(request.prompt_tokens)
+        if not prompt and request.prompt:  # tokenizing holds a thread for up to seconds
+            prompt = await asyncio.to_thread(self.encode_prompt, request.prompt)
         return await self.start_session(prompt, params, request.draft_len)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompt text to token ids, refused first when its size alone shows that it cannot
+        fit the context window (blocking: call it off the event loop)."""
+        from proposer_mac.openai_request import max_token_bytes
+
+        size = len(text.encode("utf-8"))
+        context = self.target_context_length
+        if self._token_bytes is None:
+            self._token_bytes = max_token_bytes(self.tokenizer) or 0
+        if context is not None and self._token_bytes and size > context * self._token_bytes:
+            raise RefusedError(
+                f"the prompt is {size} bytes of text; no token of this model spells more than "
+                f"{self._token_bytes} bytes, so it cannot fit the context window of {context} "
+                f"tokens (at most {context * self._token_bytes} bytes); nothing was tokenized"
+            )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_fits(self, n: int, what: str) -> None:
+        context = self.target_context_length
+        if context is not None and n > context:
+            raise RefusedError(
+                f"the prompt is {n} tokens ({what}); the model's context window is {context} "
+                "positions"
+            )
 
     async def start_session(
         self, prompt: list[int], params: SamplingParams, draft_len: int = 0
@@ -241,6 +268,7 @@ class ProposerCore:
             )
         if not prompt:
             raise RefusedError("the prompt is empty: give prompt text or prompt_tokens")
+        self._check_fits(len(prompt), "prompt")
         vocab = self.target_identity.vocab_size
         bad = [t for t in prompt if t >= vocab]
         if bad:
@@ -350,6 +378,17 @@ def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
 
 def _identity(i) -> Identity:
     return Identity(i.model_digest, i.tokenizer_digest, i.vocab_size)
+
+
+def _target_context_length(config: ClusterConfig) -> int | None:
+    """The target's context window from its files, when they are on this machine."""
+    from muser.errors import MuserError
+    from muser.geometry import read_geometry
+
+    try:
+        return read_geometry(config.verifier.target).context_length
+    except (MuserError, OSError, ValueError):
+        return None
 
 
 def _target_identity(config: ClusterConfig) -> Identity | None:

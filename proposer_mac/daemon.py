@@ -108,7 +108,7 @@ async def _start_http(core: ProposerCore, config: ClusterConfig, routes):
         core,
         config,
         core.tokenizer,
-        context_length=http_api.target_context_length(config) or core.target_context_length,
+        context_length=core.target_context_length,
         extra_routes=routes,
     )
     context = tls.http_ssl_context(config.tls, "proposer")  # HTTPS under [tls]

@@ -18,10 +18,12 @@ that disconnects cancels its handler and so its session. Other routes (the daemo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,11 @@ from proposer_mac.openai_request import (
     chat_messages,
     chat_prompt,
     check_common,
+    check_messages_fit,
+    check_separators,
     encode_text,
     field,
+    max_token_bytes,
     prompt_tokens,
     sampling_params,
     stop_strings,
@@ -137,17 +142,6 @@ def served_model_id(target: Path) -> str:
     return path.name
 
 
-def target_context_length(config: ClusterConfig) -> int | None:
-    """The target's context window, so an oversized request is refused here with a 400
-    before a session is journaled; None when the checkpoint is not readable here."""
-    from muser.geometry import read_geometry
-
-    try:
-        return read_geometry(config.verifier.target).context_length
-    except (MuserError, OSError, ValueError):
-        return None
-
-
 API = web.AppKey("muser_api", Api)
 
 
@@ -165,6 +159,19 @@ def _too_large(request: web.Request, size: int | None) -> ApiError:
     )
 
 
+PREPARE = web.AppKey("muser_prepare", ThreadPoolExecutor)
+"""One worker thread for a request's heavy work before its session (parsing the body,
+rendering the chat template, tokenizing): never on the event loop, which streams every
+other client's tokens, and one request at a time, so several huge requests queue there
+instead of sharing the interpreter with the loop."""
+
+
+async def _off_loop(request: web.Request, fn, *args):
+    """`fn(*args)` in the app's preparing thread."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[PREPARE], fn, *args)
+
+
 async def _json_body(request: web.Request) -> dict:
     size = request.content_length
     if size is not None and size > request.client_max_size:
@@ -173,14 +180,28 @@ async def _json_body(request: web.Request) -> dict:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:  # no Content-Length (chunked): counted as read
         raise _too_large(request, None) from None
+    return await _off_loop(request, parse_body, raw, request.app[API])
+
+
+def parse_body(raw: bytes, api: Api | None = None) -> dict:
+    """A request body as a JSON object, or the 4xx that says what it is instead (with `api`,
+    a body too big in its count of values for any request to this model, before parsing)."""
+    if api is not None:
+        check_separators(raw, api)
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise ApiError(
             f"the request body is not valid JSON ({exc}); expected a JSON object"
         ) from None
+    except RecursionError:
+        raise ApiError(
+            "the request body nests arrays or objects too deeply to parse; expected a JSON "
+            "object of OpenAI request fields"
+        ) from None
     if not isinstance(body, dict):
-        raise ApiError(f"the request body is a JSON {type(body).__name__}; expected an object")
+        kind = "null" if body is None else type(body).__name__
+        raise ApiError(f"the request body is a JSON {kind}; expected an object")
     return body
 
 
@@ -332,19 +353,48 @@ async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> we
     return resp
 
 
-async def _generate(request: web.Request, body: dict, prompt: list[int], chat: bool):
-    api = request.app[API]
+@dataclass(frozen=True)
+class Prepared:
+    """A request body checked and turned into what its session needs."""
+
+    prompt: list[int]
+    params: Any  # SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def prepare(body: dict, api: Api, chat: bool) -> Prepared:
+    """Every check of a parsed body and its prompt's tokens (blocking: rendering a chat
+    template and tokenizing take milliseconds to seconds; the handlers run it in the app's
+    preparing thread). Raises ApiError (4xx) naming the field."""
+    check_common(body, api, CHAT if chat else COMPLETIONS)
+    prompt = chat_tokens(body, api) if chat else prompt_tokens(body, api)
     default_max = None if chat else COMPLETION_MAX_TOKENS
     params = sampling_params(body, api, len(prompt), default_max)
     stops = stop_strings(body)
     stream = field(body, "stream", bool, False, "a boolean")
     options = field(body, "stream_options", dict, {}, "an object")
     include_usage = field(options, "include_usage", bool, False, "a boolean")
-    runner = await api.core.start_session(prompt, params)
-    reply = Reply(api, chat, runner, TextStream(api.tokenizer, stops))
+    return Prepared(prompt, params, stops, stream, include_usage)
+
+
+def chat_tokens(body: dict, api: Api) -> list[int]:
+    """The chat request's prompt: messages checked and measured, rendered, tokenized."""
+    messages = chat_messages(body)
+    check_messages_fit(api, messages)
+    return encode_text(api, chat_prompt(api.tokenizer, messages), "messages")
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    api = request.app[API]
+    body = await _json_body(request)
+    job = await _off_loop(request, prepare, body, api, chat)
+    runner = await api.core.start_session(job.prompt, job.params)
+    reply = Reply(api, chat, runner, TextStream(api.tokenizer, job.stops))
     try:
-        if stream:
-            return await _stream(request, reply, include_usage)
+        if job.stream:
+            return await _stream(request, reply, job.include_usage)
         return await _collect(reply)
     finally:  # a stop string, a finished reply or a client gone: nobody reads the rest
         runner.cancel()
@@ -373,18 +423,11 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    api = request.app[API]
-    body = await _json_body(request)
-    check_common(body, api, COMPLETIONS)
-    return await _generate(request, body, prompt_tokens(body, api.tokenizer), chat=False)
+    return await _generate(request, chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    api = request.app[API]
-    body = await _json_body(request)
-    check_common(body, api, CHAT)
-    text = chat_prompt(api.tokenizer, chat_messages(body))
-    return await _generate(request, body, encode_text(api.tokenizer, text, "messages"), chat=True)
+    return await _generate(request, chat=True)
 
 
 def create_app(
@@ -408,7 +451,15 @@ def create_app(
         context_length,
         clock,
         int(clock()),
+        max_token_bytes(tokenizer),
     )
+    pool = ThreadPoolExecutor(1, thread_name_prefix="http-prepare")
+    app[PREPARE] = pool
+
+    async def _shutdown(_app: web.Application) -> None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(_shutdown)
     app.add_routes(
         [
             web.get("/v1/models", _models),

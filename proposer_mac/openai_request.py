@@ -116,6 +116,80 @@ class Api:
     context_length: int | None
     clock: Callable[[], float]
     created: int = 0
+    token_bytes: int | None = None
+    """The most UTF-8 bytes one vocabulary entry spells (`max_token_bytes`): with the
+    context window, how much prompt text could possibly fit, checked before tokenizing."""
+
+    @property
+    def text_limit(self) -> int | None:
+        """Bytes of prompt text beyond which no tokenization fits the context window."""
+        if self.context_length is None or self.token_bytes is None:
+            return None
+        return self.context_length * self.token_bytes
+
+    @property
+    def separator_limit(self) -> int | None:
+        """The most commas a body this model could take holds: one per token id of a
+        prompt that fills the context, one per byte of text (inside strings), a few per
+        message (each spends a byte of text on its role) and the other fields."""
+        text = self.text_limit
+        return None if text is None else 4 * text + self.context_length + 1024
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the bytes of text one token covers: the longest vocabulary entry in
+    UTF-8 (a byte-level BPE entry spells each byte as one character of 1-2 bytes; a
+    SentencePiece entry spells a space as 3 bytes, a fallback byte as 6). None when the
+    tokenizer lists no vocabulary: then only limits.max_message_bytes bounds the text."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return None
+    return max((len(k.encode("utf-8", "surrogatepass")) for k in vocab), default=None)
+
+
+def check_separators(raw: bytes, api: Api) -> None:
+    """Refuse, before parsing, a body with more JSON separators than any request this model
+    can take (`Api.separator_limit`): parsing a few million numbers holds the interpreter
+    for a quarter of a second, and counting a byte is cheap."""
+    limit = api.separator_limit
+    if limit is None:
+        return
+    commas = raw.count(b",")
+    if commas > limit:
+        raise ApiError(
+            f"the request body holds {commas} commas; a request that fits the model's context "
+            f"window of {api.context_length} tokens holds at most {limit}; nothing was parsed",
+            status=413,
+            code="request_too_large",
+        )
+
+
+def utf8_size(text: str, param: str) -> int:
+    """The text's size in UTF-8 bytes; a lone surrogate (JSON allows "\\ud800") is refused."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            f"{param} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at "
+            f"character {exc.start}; expected UTF-8 encodable text",
+            param=param,
+        ) from None
+
+
+def check_text_fits(api: Api, size: int, param: str) -> None:
+    """Refuse, before any tokenizing, text too long for any tokenization to fit the context
+    window (a tokenizer of a few MB holds the interpreter for seconds)."""
+    limit = api.text_limit
+    if limit is not None and size > limit:
+        raise ApiError(
+            f"{param} is {size} bytes of text; no token of this model spells more than "
+            f"{api.token_bytes} bytes, so it cannot fit the model's context window of "
+            f"{api.context_length} tokens (at most {limit} bytes of text); nothing was "
+            "tokenized",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def field(body: dict, name: str, kind: type, default, expected: str):
@@ -227,8 +301,10 @@ def sampling_params(
     if not 0 < top_p <= 1:
         raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
     top_k = field(body, "top_k", int, 0, "an integer (0 or -1 = off)")
-    if top_k < -1:
-        raise ApiError(f"top_k must be >= -1 (0 or -1 = off), got {top_k}", param="top_k")
+    if not -1 <= top_k < SEED_LIMIT:
+        raise ApiError(
+            f"top_k must be an integer in [-1, 2**32) (0 or -1 = off), got {top_k}", param="top_k"
+        )
     seed = field(body, "seed", int, None, "an integer")
     if seed is None:
         seed = secrets.randbelow(SEED_LIMIT)
@@ -246,8 +322,11 @@ def sampling_params(
     )
 
 
-def encode_text(tokenizer, text: str, param: str) -> list[int]:
-    tokens = list(tokenizer.encode(text, add_special_tokens=False))
+def encode_text(api: Api, text: str, param: str) -> list[int]:
+    """Text to token ids, once its size is known to fit (`check_text_fits`). Blocking: the
+    handlers call it in a worker thread."""
+    check_text_fits(api, utf8_size(text, param), param)
+    tokens = list(api.tokenizer.encode(text, add_special_tokens=False))
     if not tokens:
         raise ApiError(
             f"{param} {text!r} encodes to no tokens; give a non-empty prompt", param=param
@@ -255,8 +334,9 @@ def encode_text(tokenizer, text: str, param: str) -> list[int]:
     return tokens
 
 
-def prompt_tokens(body: dict, tokenizer) -> list[int]:
-    """A completion prompt: text or token ids, one prompt per request."""
+def prompt_tokens(body: dict, api: Api) -> list[int]:
+    """A completion prompt: text or token ids, one prompt per request. Blocking (it may
+    tokenize): the handlers call it in a worker thread."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(
@@ -265,7 +345,15 @@ def prompt_tokens(body: dict, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return encode_text(tokenizer, prompt, "prompt")
+        return encode_text(api, prompt, "prompt")
+    context = api.context_length
+    if isinstance(prompt, list) and context is not None and len(prompt) > context:
+        raise ApiError(
+            f"prompt is a list of {len(prompt)} token ids; the model's context window is "
+            f"{context} positions",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     ids = isinstance(prompt, list) and prompt
     if ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         return list(ids)
@@ -292,6 +380,8 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(parts) if all(isinstance(p, str) for p in parts) else None
         elif content is None and isinstance(m, dict) and m.get("role") == "assistant":
             content = ""
+        elif not isinstance(content, str):  # a number, an object: not text
+            content = None
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or content is None:
             raise ApiError(
                 f"messages[{i}] must be {{role: string, content: string or text parts}}, "
@@ -300,6 +390,16 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             )
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def check_messages_fit(api: Api, messages: list[dict[str, str]]) -> None:
+    """The messages' text, measured before the chat template renders it (the template only
+    adds to it): refused when no tokenization of it could fit the context window."""
+    size = 0
+    for i, m in enumerate(messages):
+        size += utf8_size(m["role"], f"messages[{i}].role")
+        size += utf8_size(m["content"], f"messages[{i}].content")
+    check_text_fits(api, size, "messages")
 
 
 def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> str:

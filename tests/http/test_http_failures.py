@@ -368,3 +368,104 @@ async def test_a_client_that_leaves_a_non_streaming_request_cancels_its_session(
         assert session.waits < len(tokens) // 2
     finally:
         await runner.cleanup()
+
+
+# --- malformed bodies: a 4xx naming what was wrong, never a 500 -----------------------------
+
+MALFORMED = [
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+     "nests arrays or objects too deeply"),
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt",
+     "prompt is not valid Unicode text: a lone surrogate '\\ud800' at character 0"),
+    ("/v1/completions", b'{"prompt": "x", "top_k": 4294967296}', "top_k",
+     "top_k must be an integer in [-1, 2**32)"),
+    ("/v1/completions", b"null", None, "the request body is a JSON null; expected an object"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', "messages[0]",
+     "messages[0] must be {role: string, content: string or text parts}"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": {"text": "x"}}]}',
+     "messages[0]", "content: string or text parts"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image"}]}]}',
+     "messages[0]", "content: string or text parts"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "\\udfff", "content": "x"}]}',
+     "messages[0].role", "messages[0].role is not valid Unicode text"),
+    ("/v1/completions", json.dumps({"prompt": [1] * 2049}).encode(), "prompt",
+     "prompt is a list of 2049 token ids; the model's context window is 2048 positions"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), MALFORMED)
+async def test_a_malformed_body_gets_a_4xx_naming_what_was_wrong(
+    tokenizer, path, body, param, message
+):
+    """Regression (issue 35): a deeply nested body, a lone surrogate and a top_k beyond 32
+    bits each ended in a 500 with the exception's text; chat content that was a number or an
+    object was rendered into the prompt."""
+    core = Core()
+    client = await client_of(core, tokenizer, max_message_bytes=4 << 20)
+    try:
+        r = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+        reply = await r.json()
+    finally:
+        await client.close()
+    assert r.status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert reply["error"]["param"] == param
+    assert message in reply["error"]["message"]
+    assert core.runners == []  # no session started
+
+
+async def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(tokenizer):
+    """The byte count of a prompt (or of chat messages) against the context window times the
+    longest vocabulary entry: beyond it no tokenization fits, and nothing is tokenized."""
+    app = app_of(Core(), tokenizer, max_message_bytes=4 << 20)
+    api = app[http_api.API]
+    limit = 2048 * api.token_bytes
+    assert api.token_bytes == max(len(k.encode()) for k in tokenizer.get_vocab())
+    calls = []
+    real = tokenizer.encode
+
+    def counting(text, **kw):
+        calls.append(len(text))
+        return real(text, **kw)
+
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        tokenizer.encode = counting
+        prompt = await client.post("/v1/completions", json={"prompt": "é" * (limit // 2 + 1)})
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x" * (limit - 3)}]},
+        )
+        replies = await prompt.json(), await chat.json()
+    finally:
+        del tokenizer.encode
+        await client.close()
+    assert (prompt.status, chat.status) == (400, 400)
+    assert replies[0]["error"]["message"] == (
+        f"prompt is {2 * (limit // 2 + 1)} bytes of text; no token of this model spells more "
+        f"than {api.token_bytes} bytes, so it cannot fit the model's context window of 2048 "
+        f"tokens (at most {limit} bytes of text); nothing was tokenized"
+    )
+    assert replies[1]["error"]["message"].startswith(f"messages is {limit + 1} bytes of text")
+    assert replies[0]["error"]["code"] == "context_length_exceeded"
+    assert calls == []
+
+
+async def test_a_body_with_more_values_than_any_request_can_hold_is_refused_unparsed(tokenizer):
+    app = app_of(Core(), tokenizer, max_message_bytes=8 << 20)
+    api = app[http_api.API]
+    over = api.separator_limit + 1
+    body = b'{"prompt": [' + b"1," * over + b"1]}"
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        r = await client.post("/v1/completions", data=body)
+        reply = await r.json()
+    finally:
+        await client.close()
+    assert r.status == 413
+    assert reply["error"]["message"] == (
+        f"the request body holds {over} commas; a request that fits the model's context "
+        f"window of 2048 tokens holds at most {api.separator_limit}; nothing was parsed"
+    )

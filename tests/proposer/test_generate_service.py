@@ -26,8 +26,16 @@ class CharTokenizer:
     def decode(self, tokens):
         return "".join(chr(65 + t % 26) for t in tokens)
 
+    def __init__(self):
+        self.encoded = 0
+        """Characters tokenized so far: a refused prompt must add none."""
+
     def encode(self, text, add_special_tokens=False):
+        self.encoded += len(text)
         return [ord(c) % 24 for c in text]
+
+    def get_vocab(self):
+        return {chr(65 + i): i for i in range(24)}  # no entry spells more than 1 byte
 
 
 class Cluster:
@@ -136,6 +144,35 @@ async def test_bad_requests_are_refused_with_what_was_wrong(cluster, params, fie
         await cluster.generate(params, **fields)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_too_big_for_the_context_is_refused_before_it_is_tokenized(cluster):
+    """Regression (issue 35): the prompt text of a Generate was tokenized on the event loop,
+    whatever its size, stalling every other session's stream for seconds. Now a text whose
+    byte count alone shows it cannot fit the context window is refused untokenized, and
+    one that may fit is tokenized in a worker thread."""
+    core = cluster.server.core
+    core.target_context_length = 64  # CharTokenizer: no token spells more than 1 byte
+    tokenizer = core.tokenizer
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.generate(PARAMS, prompt="x" * 65)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (
+        "the prompt is 65 bytes of text; no token of this model spells more than 1 bytes, so "
+        "it cannot fit the context window of 64 tokens (at most 64 bytes); nothing was tokenized"
+    )
+    assert tokenizer.encoded == 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.generate(PARAMS, prompt_tokens=[1] * 65)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the prompt is 65 tokens (prompt_tokens); the model's context window is 64" in (
+        err.value.details()
+    )
+    events = await cluster.generate(
+        SamplingParams(temperature=0.0, max_tokens=4), prompt="x" * 20
+    )  # one that fits runs
+    assert sum(len(e.tokens) for e in events) == 4 and tokenizer.encoded == 20
 
 
 @pytest.mark.asyncio
