@@ -135,6 +135,14 @@ class ProposerNode(_Strict):
         "accumulated since the last snapshot (checked as sessions end); the commit log then "
         "drops what the snapshot covers. 0 = never (the journal grows with every request).",
     )
+    journal_retry_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="After the session journal failed a write or an fsync (a full disk, say), "
+        "seconds between the proposer's attempts to reopen it; meanwhile it reports "
+        "NOT_SERVING and refuses new sessions.",
+    )
     draft: FilePath = Field(
         description="Draft checkpoint directory (same tokenizer as the target)."
     )

@@ -8,6 +8,8 @@ them apart and `muser_info` names the role. On the proposer the verify, wal and 
 are what the verifier reported per round (wal adds the proposer's COMMITTED append).
 
     muser_info{role,key_id}                 gauge      1
+    muser_serving                           gauge      1 SERVING, 0 NOT_SERVING (muser.health)
+    muser_fault{component,reason}           gauge      1 per standing fault (wal, target, draft)
     muser_sessions                          gauge      sessions held (finished, not closed, too)
     muser_open_sessions                     gauge      sessions not finished
     muser_rounds_total                      counter    rounds committed
@@ -139,6 +141,8 @@ def status_fields(view: DaemonView) -> dict:
     """The fields both daemons' Status JSON carry (`muser status` prints them)."""
     lane, fsync = view.lane, view.daemon.fsync
     return {
+        "serving": not view.daemon.faults,
+        "faults": dict(view.daemon.faults),
         "sessions": view.sessions,
         "open_sessions": view.open_sessions,
         "rounds": lane.rounds,
@@ -287,6 +291,20 @@ class StatsCollector(Collector):
         )
         info.add_metric([v.role, v.key_id], 1.0)
         yield info
+        faults = dict(daemon.faults)
+        yield GaugeMetricFamily(
+            "muser_serving",
+            "1 while the daemon's health check answers SERVING, 0 while a fault stands.",
+            value=0.0 if faults else 1.0,
+        )
+        fault = GaugeMetricFamily(
+            "muser_fault",
+            "A component that cannot do its part now, and why (1 while it stands).",
+            labels=["component", "reason"],
+        )
+        for component, reason in sorted(faults.items()):
+            fault.add_metric([component, reason], 1.0)
+        yield fault
         yield GaugeMetricFamily(
             "muser_sessions", "Sessions held (finished ones too, until closed).", value=v.sessions
         )

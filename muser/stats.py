@@ -281,6 +281,8 @@ class DaemonStats:
     refusal_codes: dict[str, str] = field(default_factory=dict)
     """reason -> the gRPC status code name it is refused with (one code per reason)."""
     fsync: Histogram = field(default_factory=Histogram)
+    faults: dict[str, str] = field(default_factory=dict)
+    """Component -> why it cannot do its part now (muser.health): none while SERVING."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     started: float | None = None
     """Clock time the daemon started (default: when this object was made)."""

@@ -3,6 +3,14 @@ their recovery, the verifier channel. `proposer_mac.daemon` serves it (gRPC, hea
 
 At start the core replays the journal and resumes every unfinished session, so a client that
 reconnects with its session id and a token offset receives the rest without gaps or repeats.
+
+A journal that fails a write or an fsync (a full disk) refuses every append from then on:
+the sessions that were appending fail, the daemon reports NOT_SERVING (muser.health) and
+refuses new sessions UNAVAILABLE, and every `proposer.journal_retry_s` it tries to reopen
+the journal (`reopen_journal`): a probe file must take its bytes and an fsync, then the
+log is closed and opened again (recovery truncates what the failed write left half done),
+and FAILED is journaled for every session the journal would resume but no runner here is
+running (their clients were told they failed). Then it serves again.
 """
 
 from __future__ import annotations
@@ -14,12 +22,15 @@ import os
 import threading
 from pathlib import Path
 
+import grpc
+
 from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
 from muser import keys, tls
 from muser.backend import batches
 from muser.channels import channel_options
-from muser.errors import RefusedError
+from muser.errors import MuserError, RefusedError
+from muser.health import Health
 from muser.records import Identity, RoundResult
 from muser.sampling import SamplingParams
 from muser.stats import DaemonStats, LaneStats
@@ -45,8 +56,6 @@ class ProposerCore:
         target_identity: Identity | None = None,
         tokenizer=None,
     ):
-        from wal import FileLog
-
         self.config = config
         p = config.proposer
         self.private = keys.Signer(keys.load_private(p.key))
@@ -68,9 +77,11 @@ class ProposerCore:
         """The target's context window: from its files when they are on this machine, else
         as its verifier reports it (`ask_target_identity`)."""
         Path(p.wal_dir).mkdir(parents=True, exist_ok=True)
-        self.stats = DaemonStats()
+        self.health = Health(SERVICE)
+        self.stats = DaemonStats(faults=self.health.faults)
         """Journal fsyncs; the rounds are each runner's LaneStats (`metrics_view` sums them)."""
-        self.log = FileLog(Path(p.wal_dir) / "journal", on_fsync=self.stats.observe_fsync)
+        self.log = self._open_journal()
+        self._reopening: asyncio.Task | None = None
         self.channel = tls.open_channel(
             config.verifier.address,
             config.tls,
@@ -102,6 +113,99 @@ class ProposerCore:
         """The summed stats of finished sessions forgotten beyond limits.finished_sessions."""
         self._tokenizer = tokenizer
         self._token_bytes: int | None = None
+
+    # ---- the journal and its failure --------------------------------------------------------
+
+    def _open_journal(self):
+        from wal import FileLog
+
+        return FileLog(
+            Path(self.config.proposer.wal_dir) / "journal",
+            on_fsync=self.stats.observe_fsync,
+            on_failure=self._journal_failed,
+        )
+
+    def _journal_failed(self, reason: str) -> None:
+        """The journal refuses appends (told from the thread that saw the failure)."""
+        retry = self.config.proposer.journal_retry_s
+        self.health.fault(
+            "wal",
+            f"the session journal failed: {reason}; new sessions are refused, and the "
+            f"proposer tries to reopen it every {retry:g} s (proposer.journal_retry_s) until "
+            "its disk takes writes again",
+        )
+
+    def check_serving(self) -> None:
+        """Refuse a new session while the journal cannot append (UNAVAILABLE: retry later)."""
+        reason = self.health.reason("wal")
+        if reason is not None:
+            raise NotServing(reason)
+
+    def watch(self) -> None:
+        """Start `watch_journal` on the running loop (the daemon does, once serving)."""
+        self._reopening = asyncio.ensure_future(self.watch_journal())
+
+    async def watch_journal(self) -> None:
+        """While the journal has failed, try to reopen it every proposer.journal_retry_s
+        (run for the daemon's life; `reopen_journal` does the work in a thread)."""
+        while True:
+            await asyncio.sleep(self.config.proposer.journal_retry_s)
+            if self.health.reason("wal") is None:
+                continue
+            try:
+                await asyncio.to_thread(self.reopen_journal)
+            except Exception as exc:
+                log.warning("the session journal is not back yet: %s", exc)
+
+    def reopen_journal(self, probe_bytes: int = 1 << 20) -> None:
+        """Probe the journal's directory with `probe_bytes` written and fsynced; close the
+        failed log and open it again (its recovery truncates a half-written tail); journal
+        FAILED for every session it would resume that no runner here is running; serve
+        again. Blocking: call it off the event loop. Raises while the disk still refuses."""
+        from wal import _fs
+
+        directory = Path(self.config.proposer.wal_dir) / "journal"
+        probe = directory / "probe.tmp"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"\0" * probe_bytes)
+                _fs.fsync_file(fd)
+            finally:
+                os.close(fd)
+        finally:
+            probe.unlink(missing_ok=True)
+        self.log.close()
+        fresh = self._open_journal()
+        try:
+            owed = [
+                journal.encode_failed(sid, "the session journal failed under it")
+                for sid, js in self._replayed(log=fresh).items()
+                if not js.done and not self._running(sid)
+            ]
+            if owed:
+                fresh.append_many(owed)
+        except BaseException:
+            fresh.close()
+            raise
+        self.log = self.context.log = fresh
+        self.health.fault("wal", None)
+        log.warning(
+            "the session journal reopened at seq %d; %d failed session(s) journaled FAILED",
+            fresh.last_seq, len(owed),
+        )  # fmt: skip
+
+    def _running(self, sid: bytes) -> bool:
+        runner = self.runners.get(sid)
+        return runner is not None and runner.error is None and not runner.finished
+
+    async def close(self) -> None:
+        """Stop watching the journal, wait for a compaction in flight, close the journal."""
+        if self._reopening is not None:
+            self._reopening.cancel()
+        await asyncio.to_thread(self._compacting.acquire)
+        self._compacting.release()
+        self.log.close()
 
     @property
     def tokenizer(self):
@@ -138,12 +242,13 @@ class ProposerCore:
             self.retired.merge(self.runners.pop(sid).stats)
         self.retired.prune()
 
-    def _replayed(self, on_record=None) -> dict[bytes, journal.JournaledSession]:
-        """The journal's sessions: its latest snapshot, then every durable record after it
-        (each seq handed to `on_record` when given)."""
-        snap = self.log.latest_snapshot()
+    def _replayed(self, on_record=None, log=None) -> dict[bytes, journal.JournaledSession]:
+        """The journal's sessions (of `log`, default the daemon's): its latest snapshot,
+        then every durable record after it (each seq handed to `on_record` when given)."""
+        log = log or self.log
+        snap = log.latest_snapshot()
         base = journal.decode_snapshot(snap.data) if snap is not None else None
-        records = self.log.records(snap.seq + 1 if snap is not None else self.log.first_seq)
+        records = log.records(snap.seq + 1 if snap is not None else log.first_seq)
 
         def payloads():
             for record in records:
@@ -191,9 +296,21 @@ class ProposerCore:
                 log.error("journal compaction failed (the journal keeps growing): %s", exc)
 
     def recover(self) -> int:
-        """Rebuild sessions from the journal; start a runner for each unfinished one."""
+        """Rebuild sessions from the journal; start a runner for each unfinished one, except
+        those whose client cannot reconnect (DETACHED: the HTTP API's), which are ended with
+        FAILED journaled: resumed, they would generate for nobody."""
         resumed = 0
-        for sid, js in self._replayed().items():
+        replayed = self._replayed()
+        ended = {
+            sid: "the proposer restarted, and its client (an HTTP request) cannot reconnect"
+            for sid, js in replayed.items()
+            if js.detached and not js.done
+        }
+        if ended:
+            self.log.append_many([journal.encode_failed(sid, why) for sid, why in ended.items()])
+            for sid, why in ended.items():
+                replayed[sid].done, replayed[sid].failed = True, why
+        for sid, js in replayed.items():
             session = ProposerSession.from_open(
                 js.open,
                 js.epoch,
@@ -258,9 +375,17 @@ class ProposerCore:
             )
 
     async def start_session(
-        self, prompt: list[int], params: SamplingParams, draft_len: int = 0
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        draft_len: int = 0,
+        *,
+        detached: bool = False,
     ) -> SessionRunner:
-        """Open a session on a tokenized prompt; the gRPC and HTTP front ends both land here."""
+        """Open a session on a tokenized prompt; the gRPC and HTTP front ends both land here.
+        `detached`: its client cannot reconnect (an HTTP request), so a restart ends it
+        instead of resuming it (journal.DETACHED)."""
+        self.check_serving()
         limits = self.config.limits
         if params.max_tokens > limits.max_tokens:
             raise RefusedError(
@@ -290,7 +415,7 @@ class ProposerCore:
             width=session_width(lane, draft_len),
         )
         left = asyncio.Event()
-        opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left))
+        opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left, detached))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -302,14 +427,19 @@ class ProposerCore:
             raise
 
     async def _open(
-        self, session: ProposerSession, prompt: list[int], draft_len: int, left: asyncio.Event
+        self,
+        session: ProposerSession,
+        prompt: list[int],
+        draft_len: int,
+        left: asyncio.Event,
+        detached: bool = False,
     ) -> SessionRunner:
         """OPEN journaled, the session opened on the verifier, its runner started (cancelled
         from the start when its caller `left`). An open the verifier refuses or never
         answers journals FAILED behind the OPEN, so no restart resumes a session whose client
         was told it failed."""
         await self.log.append_async(
-            journal.encode_open(session.open, session.epoch, prompt, draft_len)
+            journal.encode_open(session.open, session.epoch, prompt, draft_len, detached)
         )
         try:
             await self.context.open_remote(session)
@@ -325,10 +455,20 @@ class ProposerCore:
                 log.info("session %s: its open failed, journaled FAILED: %s", sid, exc)
             raise
         runner = self._runner(session)
+        runner.detached = detached
         if left.is_set():
             runner.cancel()
         self._start(runner)
         return runner
+
+
+SERVICE = "muser.v2.Proposer"
+
+
+class NotServing(MuserError):
+    """The proposer cannot take a session now (its journal failed): retry later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 def _cancel_opened(opening: asyncio.Future) -> None:

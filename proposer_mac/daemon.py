@@ -12,7 +12,7 @@ import signal
 import sys
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from cluster_config import ClusterConfig
 from muser import heap, tls
@@ -78,15 +78,14 @@ async def create_server(
         core.target_identity = await ask_target_identity(core, identity_timeout)
     server = grpc.aio.server(options=server_options(config.limits))
     pb_grpc.add_ProposerServicer_to_server(ProposerServicer(core), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(core.health.servicer, server)
     port = tls.add_port(server, config.proposer.bind_address, config.tls, "proposer")
     if port == 0:
         raise RefusedError(f"cannot bind the proposer address {config.proposer.address}")
     await server.start()
     core.recover()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("muser.v2.Proposer", health_pb2.HealthCheckResponse.SERVING)
+    await core.health.start()
+    core.watch()
     server.core = core  # for tests and status
     server.http, server.http_port = None, None
     if config.proposer.http:
@@ -134,7 +133,7 @@ async def _serve(config: ClusterConfig) -> None:
     if server.http is not None:
         await server.http.cleanup()
     await server.stop(grace=1.0)
-    server.core.log.close()
+    await server.core.close()
 
 
 def serve(config: ClusterConfig) -> None:

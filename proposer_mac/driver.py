@@ -59,7 +59,7 @@ from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
 from proposer_mac.send_ahead import SendAhead
-from proposer_mac.session import ProposerSession
+from proposer_mac.session import ProposerSession, SessionFailed
 from proposer_mac.speculating import Speculating
 
 log = logging.getLogger("muser.proposer")
@@ -90,6 +90,8 @@ class SessionRunner:
         """Tokens whose COMMITTED entry is durable: the only ones clients may see."""
         self.cancelled = False
         """Set by `cancel`: the session ends after the round in flight."""
+        self.detached = False
+        """Its client cannot reconnect (an HTTP request): a restart ends it (journal.DETACHED)."""
         self.ahead = DraftingAhead(session, drafter, core, self.stats, self._start_draft)
         """The next round drafted while this one is at the verifier (proposer_mac.ahead)."""
         self.send_ahead = SendAhead(session, core, self.stats, self.ahead)
@@ -133,8 +135,11 @@ class SessionRunner:
             await self._drive(loop)
         except Exception as exc:  # a failed session is reported to its clients, not lost
             log.error("session %s failed: %s", self.session.session_id.hex()[:8], exc)
-            self.error = exc.with_traceback(None)  # its frames would keep the stream alive
-            await self._fail(loop, exc)
+            exc = exc.with_traceback(None)  # its frames would keep the stream alive
+            # its clients hear of it only once FAILED is durable (or it is known not to be,
+            # and they are told what a restart does): a kill right after they heard finds
+            # the session failed, never resumable
+            self.error = await self._fail(loop, exc)
         finally:
             if self.send_ahead.sending is not None:
                 self.send_ahead.sending.cancel()  # a failed session sends nothing more ahead
@@ -294,13 +299,15 @@ class SessionRunner:
             loop.stream.close()
         await self.core.close_remote(s)
 
-    async def _fail(self, loop: _Loop, exc: Exception) -> None:
+    async def _fail(self, loop: _Loop, exc: Exception) -> Exception:
         """The session failed for good (what `_drive` does not retry: a result that does not
         check, a refusal, a draft that failed). FAILED is journaled, behind the last result's
         COMMITTED and after any request going ahead, so no restart resumes a session whose
         client was told it failed; then it lets go of what it holds: its drafts ahead, its
         stream and, once FAILED is durable, its session on the verifier (a slot of
-        limits.max_sessions there). Best effort: the client has its error already."""
+        limits.max_sessions there). Returns what its clients are told: `exc`, or, when
+        FAILED could not be journaled (the journal itself failed), why, and what a restart
+        does with the session."""
         s, sid = self.session, self.session.session_id.hex()[:8]
         if self.send_ahead.sending is not None:  # its PREPARED must not land after FAILED
             sending, self.send_ahead.sending = self.send_ahead.sending, None
@@ -317,14 +324,28 @@ class SessionRunner:
             await self._append(
                 loop.checked, journal.encode_failed(s.session_id, str(exc) or type(exc).__name__)
             )
-        except Exception as journal_exc:  # the session resumes after a restart
+        except Exception as journal_exc:
             log.error("session %s: FAILED was not journaled: %s", sid, journal_exc)
-            return
+            return SessionFailed(f"{exc}; {self._unjournaled(journal_exc)}")
         loop.checked = None
-        try:
-            await self.core.close_remote(s)
-        except Exception as close_exc:
-            log.warning("session %s: closing it on the verifier failed: %s", sid, close_exc)
+        in_background(
+            self.core.close_remote(s), f"closing failed session {sid} on the verifier", log
+        )
+        return exc
+
+    def _unjournaled(self, journal_exc: Exception) -> str:
+        """What a client is told of a failure the journal could not record."""
+        sid = self.session.session_id.hex()
+        if self.detached:  # journal.DETACHED: a restart (or the journal's reopen) ends it
+            return (
+                f"its failure could not be journaled ({journal_exc}); it is ended when the "
+                "journal is reopened or the proposer restarts"
+            )
+        return (
+            f"its failure could not be journaled ({journal_exc}), so if the proposer restarts "
+            f"before its journal is reopened it resumes this session: reconnect with session "
+            f"id {sid} and your token offset for the rest"
+        )
 
     def _sent(self, loop: _Loop) -> None:
         """The request is on the wire: the speculation on its proposal starts (not before: it

@@ -390,7 +390,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     api = request.app[API]
     body = await _json_body(request)
     job = await _off_loop(request, prepare, body, api, chat)
-    runner = await api.core.start_session(job.prompt, job.params)
+    runner = await api.core.start_session(job.prompt, job.params, detached=True)
     reply = Reply(api, chat, runner, TextStream(api.tokenizer, job.stops))
     try:
         if job.stream:

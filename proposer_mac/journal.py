@@ -3,6 +3,8 @@
 Entries (canonical, domain "proposer-journal"; a tag byte first):
 
     OPEN       session open record, epoch, prompt tokens, draft length
+    DETACHED   the same as OPEN, for a session whose client cannot reconnect (the HTTP
+               API's): a restart ends it (FAILED) instead of resuming it for nobody
     PREPARED   round, Signed(RoundRequest) — journaled and fsynced before it is sent
     COMMITTED  round, Signed(RoundResult)  — journaled and fsynced before any token is emitted
     DONE       session finished (max tokens or a stop token)
@@ -43,18 +45,24 @@ from muser.records import (
 )
 
 DOMAIN = "proposer-journal"
-SNAPSHOT_DOMAIN = "proposer-journal-snapshot-2"
+SNAPSHOT_DOMAIN = "proposer-journal-snapshot-3"
+"""3: each session says whether its client can reconnect (DETACHED)."""
+SNAPSHOT_DOMAIN_2 = "proposer-journal-snapshot-2"
 """2: each session keeps the request journaled ahead of its round in flight, too."""
 SNAPSHOT_DOMAIN_1 = "proposer-journal-snapshot"
 """The snapshot before requests went ahead: still read."""
-SNAPSHOT_DOMAINS = (SNAPSHOT_DOMAIN, SNAPSHOT_DOMAIN_1, None)
+SNAPSHOT_DOMAINS = (SNAPSHOT_DOMAIN, SNAPSHOT_DOMAIN_2, SNAPSHOT_DOMAIN_1, None)
 """The snapshots this interpreter reads (None: not a canonical record, refused by name)."""
-OPEN, PREPARED, COMMITTED, DONE, FAILED = 1, 2, 3, 4, 5
+OPEN, PREPARED, COMMITTED, DONE, FAILED, DETACHED = 1, 2, 3, 4, 5, 6
+OPENS = (OPEN, DETACHED)
 
 
-def encode_open(open_: SessionOpen, epoch: int, prompt: list[int], draft_len: int) -> bytes:
+def encode_open(
+    open_: SessionOpen, epoch: int, prompt: list[int], draft_len: int, detached: bool = False
+) -> bytes:
+    tag = DETACHED if detached else OPEN
     return (
-        Writer(DOMAIN).u32(OPEN).blob(open_.encode()).u64(epoch).u32s(prompt).u32(draft_len).bytes()
+        Writer(DOMAIN).u32(tag).blob(open_.encode()).u64(epoch).u32s(prompt).u32(draft_len).bytes()
     )
 
 
@@ -94,6 +102,8 @@ class JournaledSession:
     done: bool = False
     failed: str | None = None
     """Why it failed (FAILED), if it did; it is then done too."""
+    detached: bool = False
+    """Its client cannot reconnect (DETACHED): a restart ends it, never resumes it."""
 
 
 def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
@@ -103,9 +113,10 @@ def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
     for payload in payloads:
         r = Reader(payload, DOMAIN)
         tag = r.u32()
-        if tag == OPEN:
+        if tag in OPENS:
             open_ = SessionOpen.decode(r.blob())
             sessions[open_.session_id] = JournaledSession(open_, r.u64(), r.u32s(), r.u32())
+            sessions[open_.session_id].detached = tag == DETACHED
         elif tag in (PREPARED, COMMITTED):
             sid, round_, signed = r.raw(16), r.u64(), Signed.decode(r.blob())
             s = sessions[sid]
@@ -165,17 +176,16 @@ def snapshot_of(sessions: dict[bytes, JournaledSession], keep_finished: int) -> 
         w.blobs(signed.encode() for signed in s.committed)
         w.blob(s.prepared.encode() if s.prepared is not None else b"")
         w.blob(s.ahead.encode() if s.ahead is not None else b"").u32(int(s.done))
+        w.u32(int(s.detached))
     return w.bytes()
 
 
 def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
-    try:
-        r, ahead = Reader(data, SNAPSHOT_DOMAIN), True
-    except RefusedError as exc:
-        try:  # written before requests went ahead
-            r, ahead = Reader(data, SNAPSHOT_DOMAIN_1), False
-        except RefusedError:
-            raise exc from None
+    version = {SNAPSHOT_DOMAIN: 3, SNAPSHOT_DOMAIN_2: 2, SNAPSHOT_DOMAIN_1: 1}.get(
+        domain_of(data) or "", 3
+    )  # an unknown domain is refused by name by the newest reader
+    r = Reader(data, {3: SNAPSHOT_DOMAIN, 2: SNAPSHOT_DOMAIN_2, 1: SNAPSHOT_DOMAIN_1}[version])
+    ahead = version >= 2
     sessions: dict[bytes, JournaledSession] = {}
     for _ in range(r.u32()):
         open_ = SessionOpen.decode(r.blob())
@@ -191,6 +201,10 @@ def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
         if done > 1:
             raise RefusedError(f"journal snapshot: done flag must be 0 or 1, got {done}")
         s.done = bool(done)
+        detached = r.u32() if version >= 3 else 0
+        if detached > 1:
+            raise RefusedError(f"journal snapshot: detached flag must be 0 or 1, got {detached}")
+        s.detached = bool(detached)
         if open_.session_id in sessions:
             raise RefusedError(f"journal snapshot: session {open_.session_id.hex()} twice")
         sessions[open_.session_id] = s
@@ -202,10 +216,10 @@ def describe(payload: bytes) -> dict:
     """A JSON-able description of one entry (for `muser wal inspect`)."""
     r = Reader(payload, DOMAIN)
     tag = r.u32()
-    if tag == OPEN:
+    if tag in OPENS:
         open_ = SessionOpen.decode(r.blob())
         return {
-            "entry": "open",
+            "entry": "open" if tag == OPEN else "open detached",
             "session": open_.session_id.hex(),
             "epoch": r.u64(),
             "genesis_head": open_.genesis_head().hex(),
@@ -310,7 +324,7 @@ class WalInterpreter:
                 continue  # not a journal entry: another interpreter's business
             try:
                 tag = r.u32()
-                if tag == OPEN:
+                if tag in OPENS:
                     open_ = SessionOpen.decode(r.blob())
                     heads[open_.session_id] = open_.genesis_head()
                     owner[open_.session_id] = open_.proposer_key_id

@@ -143,6 +143,8 @@ class RoundStream:
                     await self._write(pb.ProposerMessage(request=request))
                     continue
                 code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+                if code == grpc.StatusCode.UNAVAILABLE:  # (its commit log failed) retried
+                    raise LinkDown(f"the verifier cannot commit now: {err.reason}: {err.message}")
                 raise RoundRefused(code, err.reason, err.message)
 
     async def send(self, signed_request: Signed) -> pb.RoundRequest:

@@ -186,6 +186,7 @@ class LogCompactor:
     def __init__(self, log, limit: int) -> None:
         self.log, self.limit = log, limit
         self._compacting = threading.Lock()
+        self._closed = False
         self._compacted_at = self.segment_bytes()
         """Bytes of segments the last compaction (or the start) left on disk."""
 
@@ -199,6 +200,8 @@ class LogCompactor:
         covers. Blocking: call it off the event loop. None when nothing was written since
         the last snapshot."""
         with self._compacting:
+            if self._closed:
+                return None
             snap = self.log.latest_snapshot()  # only this lock's holder writes one
             replay, last = replay_log(self.log)  # chains only (see the module note)
             if last == (snap.seq if snap is not None else 0):
@@ -212,6 +215,17 @@ class LogCompactor:
                 last, len(replay.sessions), len(replay.closed), len(data), self._compacted_at,
             )  # fmt: skip
             return written
+
+    async def close(self) -> None:
+        """No compaction from now on; wait for one in flight (the server stops before the
+        log closes, so a snapshot never drops segments under a reader of the closed log)."""
+        self._closed = True
+
+        def wait() -> None:
+            with self._compacting:
+                pass
+
+        await asyncio.to_thread(wait)
 
     async def maybe_compact(self) -> None:
         """Compact (in a worker thread, one compaction at a time) once `limit` bytes of

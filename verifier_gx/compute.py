@@ -16,6 +16,7 @@ import numpy as np
 
 from muser import keys
 from muser.backend import ModelBackend
+from muser.errors import MuserError
 from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
 from muser.sampling import target_probs
 from muser.stats import VerifierStats
@@ -57,8 +58,13 @@ class RoundComputer:
         signing_key: keys.SigningKey,
         stats: VerifierStats,
         clock: Callable[[], float],
+        on_target: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         self.backend, self.kv, self.stats, self.clock = backend, kv, stats, clock
+        self.on_target = on_target
+        """Told, after each batch's forwards, the exception a forward raised that was not a
+        refusal of its round (a failed backend), or None when they ran (the daemon's
+        health: muser.health)."""
         self.signing_key = signing_key
         self.key_id = keys.key_id(signing_key.public_key())
         self._lock = threading.Lock()
@@ -153,6 +159,7 @@ class RoundComputer:
                 out[i] = got
             else:
                 logits[i] = got
+        self._tell_target(out)
         for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
             if out[i] is not None:
                 continue
@@ -163,6 +170,17 @@ class RoundComputer:
         ahead_s = [ex.ahead_s if i in batched else 0.0 for i, ex in enumerate(executors)]
         self.stats.lookahead_hits += sum(1 for s in ahead_s if s > 0)
         return out, ahead_s  # type: ignore[return-value]
+
+    def _tell_target(self, out: list) -> None:
+        """The batch's forwards ran, or one raised something other than a refusal of its
+        round (a MuserError names what the round did wrong; anything else is the backend's)."""
+        if self.on_target is None:
+            return
+        failed = [x for x in out if isinstance(x, Exception) and not isinstance(x, MuserError)]
+        try:
+            self.on_target(failed[0] if failed else None)
+        except Exception as exc:  # health is reported, never a round's failure
+            log.warning("the target's health was not updated: %s", exc)
 
     def look_ahead(self, session_id: bytes, transcript: list[int], drafts: list[int]) -> bool:
         """Evaluate a round before its request (`TargetExecutor.look_ahead`), on the KV the

@@ -8,6 +8,15 @@
 Layout under `verifier.wal_dir`: `commit/` is the commit log (wal.log.FileLog, one writer,
 flock'd). Fragments are staged in memory (verifier_gx.fragments) and re-requested after a
 restart with `missing_fragments`.
+
+Health (muser.health): a commit log that failed a write or an fsync refuses every append
+from then on, and the daemon answers NOT_SERVING with the reason until it is restarted.
+It does not reopen the log itself: its sessions' heads live in memory beside the log, and
+after a failed fsync the file may read back records the disk never got, so the one safe
+reopen is the start's recovery, which rebuilds both from what is on disk. Opens and rounds
+meanwhile are refused UNAVAILABLE, so proposers keep retrying and carry on from the last
+durable round once it is back. A target forward that raises reports the target
+NOT_SERVING until a forward succeeds.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from pathlib import Path
 
 import grpc
 from cryptography.hazmat.primitives import serialization
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from cluster_config import qualification
 from cluster_config.schema import ClusterConfig, ConfigError
@@ -31,6 +40,7 @@ from muser.affinity import serving
 from muser.backend import ModelBackend
 from muser.channels import server_options
 from muser.errors import RefusedError
+from muser.health import Health
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from verifier_gx.servicer import VerifierServicer
 from verifier_gx.sessions import SessionManager
@@ -38,18 +48,19 @@ from wal.log import FileLog
 
 log = logging.getLogger("muser.verifier")
 SERVICE = "muser.v2.Verifier"
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+WAL_REMEDY = (
+    "restart the verifier once its disk takes writes again: it recovers the commit log at "
+    "start, and sessions resume from their last durable round"
+)
 
 
 class VerifierServer(grpc.aio.Server):
     """A grpc.aio server that owns the session manager and the commit log it writes."""
 
-    def __init__(self, inner: grpc.aio.Server, manager: SessionManager, health_servicer) -> None:
+    def __init__(self, inner: grpc.aio.Server, manager: SessionManager, health: Health) -> None:
         self._inner = inner
         self.manager = manager
-        self.health = health_servicer
-        self._fatal: asyncio.Task | None = None
+        self.health = health
         self._expiry: asyncio.Task | None = None
         """Closes idle sessions (limits.session_idle_s) while the server runs."""
 
@@ -71,28 +82,25 @@ class VerifierServer(grpc.aio.Server):
 
     async def start(self) -> None:
         await self._inner.start()
-        for name in ("", SERVICE):
-            await self.health.set(name, SERVING)
+        await self.health.start()
         self._expiry = asyncio.ensure_future(self.manager.expire_idle())
 
     async def stop(self, grace: float | None) -> None:
-        await self.health.enter_graceful_shutdown()
+        await self.health.stop()
         if self._expiry is not None:
             self._expiry.cancel()
         await self._inner.stop(grace)
+        await self.manager.compactor.close()
         self.manager.log.close()
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self._inner.wait_for_termination(timeout)
 
     def not_serving(self, exc: BaseException) -> None:
-        """The commit log failed: report NOT_SERVING (it refuses appends until reopened)."""
-        log.error("commit log failed, reporting NOT_SERVING: %s", exc)
-        self._fatal = asyncio.ensure_future(self._set_not_serving())
-
-    async def _set_not_serving(self) -> None:
-        for name in ("", SERVICE):
-            await self.health.set(name, NOT_SERVING)
+        """A round or an open met a failed commit log: NOT_SERVING until a restart recovers
+        it (the log has usually said so first, naming the write or fsync that failed)."""
+        if self.health.reason("wal") is None:
+            self.health.fault("wal", f"the commit log failed: {exc}; {WAL_REMEDY}")
 
 
 def load_keys(config: ClusterConfig):
@@ -143,7 +151,11 @@ def create_server(
             device=config.verifier.device,
             dtype=config.verifier.dtype,
         )
-    commit_log = FileLog(Path(config.verifier.wal_dir) / "commit")
+    health = Health(SERVICE)
+    commit_log = FileLog(
+        Path(config.verifier.wal_dir) / "commit",
+        on_failure=lambda why: health.fault("wal", f"the commit log failed: {why}; {WAL_REMEDY}"),
+    )
     try:
         manager = SessionManager(
             log=commit_log,
@@ -157,6 +169,7 @@ def create_server(
             max_decode_len=config.lane.decode_len,
             max_drafts=config.lane.draft_len_max,
             compact_bytes=config.verifier.commit_compact_bytes,
+            health=health,
         )
         commit_log.on_fsync = manager.stats.observe_fsync
         inner = grpc.aio.server(
@@ -165,11 +178,10 @@ def create_server(
                 ("grpc.so_reuseport", 0),  # a second daemon on a taken port fails to bind
             ]
         )
-        health_servicer = health.aio.HealthServicer()  # unreachable until start()
-        server = VerifierServer(inner, manager, health_servicer)
+        server = VerifierServer(inner, manager, health)  # health answers from start()
         servicer = VerifierServicer(manager, on_fatal=server.not_serving)
         pb_grpc.add_VerifierServicer_to_server(servicer, inner)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inner)
+        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, inner)
         try:
             port = tls.add_port(inner, config.verifier.bind_address, config.tls, "verifier")
         except RuntimeError as exc:

@@ -93,6 +93,7 @@ class Rounds:
         max_queue: int,
         max_decode_len: int,
         max_drafts: int,
+        on_target: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         self.sessions, self.log, self.kv, self.stats, self.clock = sessions, log, kv, stats, clock
         self.max_decode_len = max_decode_len
@@ -100,7 +101,7 @@ class Rounds:
         self.max_drafts = max_drafts
         """The most drafts one round may carry (lane.draft_len_max): a round's witness rows
         are (D + 1) x vocabulary floats, so D is bounded by the lane, not by the session."""
-        self.computer = RoundComputer(backend, kv, signing_key, stats, clock)
+        self.computer = RoundComputer(backend, kv, signing_key, stats, clock, on_target)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
             self._decide_and_commit,
             max_batch=max_batch,

@@ -59,6 +59,7 @@ from muser.errors import (
     UnenrolledKeyError,
     UnknownSessionError,
 )
+from muser.health import Health
 from muser.records import (
     RoundResult,
     SessionOpen,
@@ -82,6 +83,7 @@ from verifier_gx.journal import short
 from verifier_gx.kvpool import KvPool
 from verifier_gx.replay import SessionState
 from verifier_gx.rounds import RoundOutcome, Rounds
+from wal.errors import WalIOError
 
 log = logging.getLogger("muser.verifier")
 
@@ -125,15 +127,20 @@ class SessionManager:
         max_drafts: int = 64,
         verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
         compact_bytes: int = 0,
+        health: Health | None = None,
     ) -> None:
         """`compact_bytes`: snapshot the commit log once this many bytes of segments piled
         up since the last snapshot, checked as sessions close (verifier.commit_compact_bytes;
-        0 = never)."""
+        0 = never). `health` (the daemon's) is told when the target fails and recovers; its
+        faults are the stats' (a manager without one keeps its own)."""
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
         self.qualified_draft = qualified_draft
         """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
         opened with another draft are refused (None: not checked, e.g. unqualified tests)."""
         self.stats = VerifierStats(clock=clock)
+        self.health = health
+        if health is not None:
+            self.stats.faults = health.faults
         self.kv = KvPool(backend, limits.kv_sessions, on_evict=self._evicted)
         self.signing_key = signing_key
         self.key_id = keys.key_id(signing_key.public_key())
@@ -156,6 +163,7 @@ class SessionManager:
             max_queue=limits.round_queue,
             max_decode_len=max_decode_len,
             max_drafts=max_drafts,
+            on_target=self._target_health,
         )
         self.replay = self._recover()
         self.compactor = LogCompactor(log, compact_bytes)
@@ -165,6 +173,22 @@ class SessionManager:
 
     def _evicted(self) -> None:
         self.stats.kv_evictions += 1
+
+    def check_writable(self) -> None:
+        """Refuse work up front while the commit log refuses appends (WalIOError, answered
+        UNAVAILABLE: the proposer retries until a restart has recovered the log)."""
+        failed = getattr(self.log, "failed", None)
+        if failed is not None:
+            raise WalIOError(
+                f"this verifier's commit log failed and refuses appends: {failed}; "
+                "restart the verifier once its disk takes writes again"
+            )
+
+    def _target_health(self, exc: BaseException | None) -> None:
+        """A target forward raised (`exc`), or one ran (None): the daemon's target health."""
+        if self.health is not None:
+            reason = None if exc is None else f"the target backend raised {exc!r} on a forward"
+            self.health.fault("target", reason)
 
     # ---- recovery -------------------------------------------------------------------------
 

@@ -110,8 +110,12 @@ class GroupCommit:
         name: str,
         *,
         max_syncs: int = 4,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self._write, self._sync, self._durable = write, sync, durable
+        self._on_failure = on_failure
+        """Told the refusal once, when the first failure poisons the log (any thread, the
+        mutex held: it must not block)."""
         self._name = name
         self._max_syncs = max_syncs
         self._mutex = threading.Lock()
@@ -221,6 +225,8 @@ class GroupCommit:
         """The first failure: every later append is refused (`_mutex` held)."""
         if self._failed is None:
             self._failed = f"{error}; the log refuses appends until it is reopened"
+            if self._on_failure is not None:
+                self._on_failure(self._failed)
 
     def _finish(self, batch: _Batch) -> None:
         """Fsync a written batch (any thread), then acknowledge what is now in order."""

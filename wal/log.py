@@ -133,9 +133,13 @@ class FileLog:
         keep_snapshots: int = 2,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         on_fsync: Callable[[float], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """`on_fsync(seconds)` is called, from the thread that ran it, after each successful
-        fsync of a commit or a rollover (the daemons' stats observe fsync latency there)."""
+        fsync of a commit or a rollover (the daemons' stats observe fsync latency there).
+        `on_failure(reason)` is called once, from the thread that saw it, when a write or
+        an fsync fails and the log starts refusing appends (a daemon's health reports it);
+        it must not block."""
         if segment_bytes < 64:
             raise WalUsageError(f"segment_bytes must be >= 64, got {segment_bytes}")
         if keep_snapshots < 1:
@@ -163,7 +167,11 @@ class FileLog:
             self._dir_lock.release()
             raise
         self._group = GroupCommit(
-            self._write_records, self._sync, self._acknowledged, str(self.directory)
+            self._write_records,
+            self._sync,
+            self._acknowledged,
+            str(self.directory),
+            on_failure=on_failure,
         )
 
     # ---- open ---------------------------------------------------------------------------
@@ -234,6 +242,11 @@ class FileLog:
 
     def latest_snapshot(self) -> Snapshot | None:
         return self._snapshot
+
+    @property
+    def failed(self) -> str | None:
+        """Why the log refuses appends (a write or an fsync failed), or None."""
+        return self._group.failed
 
     def _check_open(self) -> None:
         if self._closed:

@@ -86,11 +86,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         for role in ("verifier", "proposer"):
             r = report[role]
-            state = "SERVING" if r["serving"] else f"DOWN ({r.get('error', 'not serving')})"
-            print(f"{role:<9} {r['address']:<22} {state}")
+            print(f"{role:<9} {r['address']:<22} {state_line(r)}")
             for line in summary(r.get("status", {})):
                 print(f"  {line}")
     return 0 if healthy else 1
+
+
+def state_line(r: dict) -> str:
+    """SERVING; NOT SERVING with each standing fault (the daemon answered); or DOWN (it
+    did not answer)."""
+    if r["serving"]:
+        return "SERVING"
+    faults = (r.get("status") or {}).get("faults") or {}
+    if faults:
+        return "NOT SERVING (" + "; ".join(f"{c}: {why}" for c, why in faults.items()) + ")"
+    if "status" in r:
+        return "NOT SERVING"
+    return f"DOWN ({r.get('error', 'not serving')})"
 
 
 def _ms(seconds: float | None) -> str:

@@ -193,7 +193,7 @@ async def test_status_reports_where_draft_and_target_run(key_set, tmp_path, llam
         seen = await asyncio.to_thread(probe, f"127.0.0.1:{verifier.port}", "verifier")
     finally:
         await server.stop(None)
-        server.core.log.close()
+        await server.core.close()
         await verifier.stop()
     expected = "mlx:gpu" if HAS_MLX_GPU else "mlx:cpu"
     assert got["serving"] and got["status"]["draft_device"] == expected

@@ -60,7 +60,7 @@ async def test_tls_cluster_generates_exactly_and_refuses_plaintext(tmp_path, tin
         if getattr(proposer, "http", None) is not None:
             await proposer.http.cleanup()
         await proposer.stop(None)
-        proposer.core.log.close()
+        await proposer.core.close()
         await verifier.stop(None)
 
 

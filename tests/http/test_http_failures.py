@@ -67,7 +67,8 @@ class Core:
         self.draft_identity = types.SimpleNamespace(model_digest="ef")
         self.runners: list[Runner] = []
 
-    async def start_session(self, prompt, params):
+    async def start_session(self, prompt, params, *, detached=False):
+        assert detached  # an HTTP client cannot reconnect: a restart must end its session
         if self.refuse is not None:
             raise self.refuse
         self.runners.append(self.runner(prompt, params, self.script, self.error, self.delay))

@@ -27,7 +27,7 @@ async def pair(key_set, tmp_path):
     yield c
     await c.channel.close()
     await c.server.stop(None)
-    c.server.core.log.close()
+    await c.server.core.close()
     await c.verifier.stop()
 
 

@@ -25,4 +25,4 @@ async def proposer_again(config, c, draft=None):
         yield server.core
     finally:
         await server.stop(None)
-        server.core.log.close()
+        await server.core.close()

@@ -84,7 +84,7 @@ async def test_a_verifier_that_is_down_is_named_and_unavailable(key_set, tmp_pat
     finally:
         await c.channel.close()
         await c.server.stop(None)
-        c.server.core.log.close()
+        await c.server.core.close()
     message = str(err.value)
     assert err.value.exit_code == 3 and not isinstance(err.value, ClusterRefusedError)
     assert f"UNAVAILABLE: open session: no answer from the verifier at {address} within 1 s" in (

@@ -5,6 +5,8 @@ told it failed, and the session lets go of its slot on the verifier
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from muser.sampling import SamplingParams
@@ -51,6 +53,10 @@ async def test_a_failed_session_is_never_resumed_and_a_reconnect_is_told(
             "session": sid.hex(),
             "reason": "injected: round 2's result does not check",
         }
+        for _ in range(200):  # closed on the verifier in the background, once FAILED is durable
+            if sid in c.verifier.manager.replay.closed:
+                break
+            await asyncio.sleep(0.01)
         assert sid in c.verifier.manager.replay.closed  # its verifier slot is free
         replayed = core._replayed()
         assert replayed[sid].done and replayed[sid].failed.startswith("injected")

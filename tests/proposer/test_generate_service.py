@@ -201,7 +201,7 @@ async def test_results_from_an_unenrolled_verifier_are_never_emitted(key_set, tm
     finally:
         await c.channel.close()
         await c.server.stop(None)
-        c.server.core.log.close()
+        await c.server.core.close()
         await c.verifier.stop()
 
 
@@ -269,7 +269,7 @@ async def test_an_unreachable_verifier_is_named_when_the_identity_is_needed(key_
 async def stop(c: Cluster) -> None:
     await c.channel.close()
     await c.server.stop(None)
-    c.server.core.log.close()
+    await c.server.core.close()
     await c.verifier.stop()
 
 

@@ -41,7 +41,7 @@ def restarted(c):
 async def stop_proposer(c) -> None:
     await c.channel.close()
     await c.server.stop(None)
-    c.server.core.log.close()
+    await c.server.core.close()
 
 
 async def test_an_open_the_verifier_refuses_is_done_and_never_resumed(key_set, tmp_path):

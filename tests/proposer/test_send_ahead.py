@@ -167,7 +167,15 @@ async def test_snapshots_keep_the_request_ahead_and_old_snapshots_still_read(key
     broken = {sid: dataclasses.replace(s, prepared=None)}  # ahead of nothing in flight
     with pytest.raises(RefusedError, match="a request ahead with none in flight"):
         journal.decode_snapshot(journal.snapshot_of(broken, 10))
-    with pytest.raises(RefusedError, match="proposer-journal-snapshot-2"):
+    # written before sessions said whether their client can reconnect: read as resumable
+    w = Writer(journal.SNAPSHOT_DOMAIN_2).u32(1)
+    w.blob(s.open.encode()).u64(s.epoch).u32s(s.prompt).u32(s.draft_len)
+    w.blobs(c.encode() for c in s.committed).blob(s.prepared.encode())
+    w.blob(s.ahead.encode() if s.ahead is not None else b"").u32(0)
+    assert journal.decode_snapshot(w.bytes()) == {sid: s} and not s.detached
+    detached = {sid: dataclasses.replace(s, detached=True)}
+    assert journal.decode_snapshot(journal.snapshot_of(detached, 10)) == detached
+    with pytest.raises(RefusedError, match="proposer-journal-snapshot-3"):
         journal.decode_snapshot(Writer("something-else").bytes())
 
 

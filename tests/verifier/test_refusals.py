@@ -306,27 +306,76 @@ async def test_oversized_message_is_refused_by_grpc(key_set, tmp_path):
         await v.stop()
 
 
-async def test_commit_log_failure_refuses_the_round_and_reports_not_serving(verifier, monkeypatch):
+async def test_a_failed_commit_log_reports_not_serving_until_a_restart_recovers_it(
+    key_set, tmp_path, monkeypatch
+):
+    """Issue 35: a commit log that failed an fsync refuses appends; the verifier says so
+    (gRPC health, Status, /metrics, with the operator's remedy), refuses rounds and opens
+    UNAVAILABLE up front (a proposer retries those), and a restart recovers the log: the
+    session goes on from its last durable round as if nothing had happened."""
     import errno
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from muser.metrics import exposition
+    from verifier_gx.servicer import metrics_view, status_json
     from wal import _fs
 
-    client, stream = await opened(verifier)
+    config = make_config(key_set, tmp_path / "wal")
+    v = await Verifier(config, key_set, FakeBackend).start()
+    try:
+        client, stream = await opened(v)
+        real_fsync = _fs.fsync_file
 
-    def failing_fsync(fd: int) -> None:  # the disk fails under the round's commit
-        raise OSError(errno.EIO, "Input/output error")
+        def failing_fsync(fd: int) -> None:  # the disk fails under the round's commit
+            raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_fs, "fsync_file", failing_fsync)
-    seq = verifier.wal_seq
-    await expect_refused(
-        verifier, client, stream, client.sign(client.draft_request()), C.INTERNAL, "wal_failure"
-    )
-    assert verifier.wal_seq == seq  # nothing acknowledged, the session did not move
-    health = health_pb2_grpc.HealthStub(verifier.channel)
-    reply = await health.Check(health_pb2.HealthCheckRequest(service="muser.v2.Verifier"))
-    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        monkeypatch.setattr(_fs, "fsync_file", failing_fsync)
+        seq = v.wal_seq
+        draft = client.draft_request()
+        request = client.sign(draft)
+        await expect_refused(v, client, stream, request, C.UNAVAILABLE, "wal_failure")
+        assert v.wal_seq == seq  # nothing acknowledged, the session did not move
+        monkeypatch.setattr(_fs, "fsync_file", real_fsync)  # the disk is back: still refused
+        err = await expect_refused(v, client, stream, request, C.UNAVAILABLE, "wal_failure")
+        assert "restart the verifier once its disk takes writes again" in err.message
+        health = health_pb2_grpc.HealthStub(v.channel)
+        for service in ("", "muser.v2.Verifier"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        status = status_json(v.manager)
+        assert status["serving"] is False
+        assert status["faults"]["wal"].startswith("the commit log failed: fsync of ")
+        assert status["faults"]["wal"].endswith(
+            "restart the verifier once its disk takes writes again: it recovers the commit "
+            "log at start, and sessions resume from their last durable round"
+        )
+        text = exposition(lambda: metrics_view(v.manager)).decode()
+        assert "muser_serving 0.0" in text and 'muser_fault{component="wal",reason="the' in text
+        other = v.client(SAMPLED, epoch=3)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await other.open_session()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await v.stop()
+    again = await Verifier(config, key_set, FakeBackend).start()
+    try:
+        reply = await health_pb2_grpc.HealthStub(again.channel).Check(
+            health_pb2.HealthCheckRequest(service="")
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert status_json(again.manager)["faults"] == {}
+        assert "muser_serving 1.0" in exposition(lambda: metrics_view(again.manager)).decode()
+        client.stub = again.stub
+        await client.open_session(fragments={})
+        stream = await client.attach()
+        # the round's record was written before its fsync failed: recovery found it whole,
+        # so the same request is answered with it, as any retry of a committed round is
+        msg, _ = await stream.round_trip(request)
+        client.accept(draft, msg)
+        await finish_like_uncrashed(again, client, stream)
+    finally:
+        await again.stop()
 
 
 async def test_decode_len_past_what_the_session_may_emit(verifier):
