@@ -45,6 +45,7 @@ class DriverContext:
         batch_with: MultiSequenceBackend | None = None,
         lookahead: bool = False,
         send_on_decision: bool = False,
+        on_draft=None,
     ):
         self.private, self.verifiers, self.log = private, verifiers, log
         self.speculate = speculate
@@ -62,7 +63,7 @@ class DriverContext:
         self.verifier_address = verifier_address
         """For messages: where `channel` leads."""
         self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-        self.drafts = DraftQueue(self.draft_pool, batch_with)
+        self.drafts = DraftQueue(self.draft_pool, batch_with, on_draft)
 
     async def open_remote(self, s: ProposerSession) -> None:
         """Open (or idempotently re-open) the session on the verifier; past genesis the open

@@ -104,6 +104,7 @@ class ProposerCore:
             send_on_decision=config.lane.send_on_decision,
             lookahead=lookahead_on(config.lane.lookahead, config.verifier.address),
             batch_with=draft if self.draft_batch else None,
+            on_draft=self._draft_health,
         )
         self._compacting = threading.Lock()
         self._compacted_at = self.journal_bytes()
@@ -134,6 +135,10 @@ class ProposerCore:
             f"proposer tries to reopen it every {retry:g} s (proposer.journal_retry_s) until "
             "its disk takes writes again",
         )
+
+    def _draft_health(self, exc: BaseException | None) -> None:
+        """A draft raised (`exc`), or one ran (None): the daemon's draft health."""
+        self.health.fault("draft", None if exc is None else f"the draft backend raised {exc!r}")
 
     def check_serving(self) -> None:
         """Refuse a new session while the journal cannot append (UNAVAILABLE: retry later)."""

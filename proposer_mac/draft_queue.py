@@ -4,12 +4,15 @@ in lockstep when several wait at once (lane.draft_batch)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from muser.backend import MultiSequenceBackend
+from muser.errors import MuserError
 from muser.stats import DraftingStats
 from proposer_mac.drafting import Drafter, Steps, run_together
 
@@ -33,9 +36,15 @@ class DraftQueue:
     its drafter's own cursor, the path of the local lane."""
 
     def __init__(
-        self, pool: ThreadPoolExecutor, batch_with: MultiSequenceBackend | None = None
+        self,
+        pool: ThreadPoolExecutor,
+        batch_with: MultiSequenceBackend | None = None,
+        on_draft: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         self.pool, self.batch_with = pool, batch_with
+        self.on_draft = on_draft
+        """Told after each group the exception its draft raised that is not a refusal of its
+        round (the backend failed), or None when it ran (the daemon's health)."""
         self.stats = DraftingStats()
         self._waiting: list[_Job] = []
         self._pending = 0
@@ -83,11 +92,19 @@ class DraftQueue:
             seconds = time.perf_counter() - t0
             self.stats.observe_batch(len(group))
             self._done(len(group))
+            self._tell(results)
             for job, result in zip(group, results, strict=True):
                 if isinstance(result, BaseException):
                     job.future.set_exception(result)
                 else:
                     job.future.set_result((result, seconds))
+
+    def _tell(self, results: list) -> None:
+        if self.on_draft is None:
+            return
+        failed = [r for r in results if isinstance(r, Exception) and not isinstance(r, MuserError)]
+        with contextlib.suppress(Exception):  # health is reported, never a draft's failure
+            self.on_draft(failed[0] if failed else None)
 
     def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
         """The order `jobs` run in: layer k holds each session's k-th job (a draft on a

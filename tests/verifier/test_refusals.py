@@ -451,7 +451,29 @@ async def test_a_fault_of_the_verifier_is_that_rounds_error_not_the_streams(veri
             verifier, client, stream, client.sign(request), C.INTERNAL, "internal"
         )
     assert "RuntimeError('CUDA out of memory')" in err.message and failed
+    # the daemon says so (issue 35) until a forward succeeds again
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(verifier.channel)
+    check = health_pb2.HealthCheckRequest(service="muser.v2.Verifier")
+
+    async def status() -> int:
+        for _ in range(100):  # the health servicer is updated on the loop, soon after
+            reply = await health.Check(check)
+            if (reply.status == health_pb2.HealthCheckResponse.SERVING) == (
+                not verifier.manager.stats.faults
+            ):
+                return reply.status
+            await asyncio.sleep(0.01)
+        return reply.status
+
+    assert verifier.manager.stats.faults == {
+        "target": "the target backend raised RuntimeError('CUDA out of memory') on a forward"
+    }
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
     await finish_like_uncrashed(verifier, client, stream)
+    assert verifier.manager.stats.faults == {}
+    assert await status() == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_a_message_that_does_not_parse_is_malformed(verifier):
