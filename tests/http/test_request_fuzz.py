@@ -64,7 +64,7 @@ def check(api, body: dict, chat: bool) -> None:
         assert exc.message and exc.body()["error"]["type"] == "invalid_request_error"
 
 
-FUZZ = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
