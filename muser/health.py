@@ -26,12 +26,21 @@ import threading
 
 from grpc_health.v1 import health, health_pb2
 
+from muser.errors import MuserError
 from muser.tasks import in_background
 
 log = logging.getLogger("muser.health")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def backend_failure(results) -> BaseException | None:
+    """The first of a batch's results that is the backend's failure: an exception other
+    than a MuserError (which names what its own request did wrong); None when none is."""
+    return next(
+        (r for r in results if isinstance(r, Exception) and not isinstance(r, MuserError)), None
+    )
 
 
 class Health:

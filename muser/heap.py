@@ -13,23 +13,11 @@ collections walk only what came after (a full one here: under 1 ms). Reference c
 still frees a frozen object; only a cycle among frozen objects is never collected.
 
 `GcWatch` times each collection (`gc.callbacks`), for `muser status` and `/metrics`.
-
-`Trimmer` hands freed native memory back to the system. A session's tensors and buffers
-(KV, ragged batch inputs of every shape, protobuf messages) are freed when it ends, but
-glibc's allocator keeps the pages for reuse, scattered among live ones: over 1,000 sessions
-a verifier's resident memory grew by ~0.8 MB a session while its Python heap stayed flat
-(tracemalloc: under 6 MB traced in all). `malloc_trim(0)` returns those pages; the daemons
-call it, in a worker thread and at most every `TRIM_EVERY_S`, as sessions end.
 """
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
-import ctypes.util
 import gc
-import logging
-import threading
 import time
 
 GENERATIONS = (0, 1, 2)
@@ -102,42 +90,3 @@ def serving_heap() -> int:
     frozen = settle()
     WATCH.install()
     return frozen
-
-
-TRIM_EVERY_S = 2.0
-
-
-class Trimmer:
-    """`malloc_trim(0)` after sessions end, at most every `every_s`, off the event loop
-    (glibc only: elsewhere, or without the symbol, it does nothing)."""
-
-    def __init__(self, every_s: float = TRIM_EVERY_S) -> None:
-        self.every_s = every_s
-        self.trims = 0
-        self._last = float("-inf")
-        self._lock = threading.Lock()
-        self._trim = _malloc_trim()
-
-    async def session_ended(self) -> None:
-        if self._trim is None or time.monotonic() - self._last < self.every_s:
-            return
-        self._last = time.monotonic()
-        await asyncio.to_thread(self.trim)
-
-    def trim(self) -> None:
-        if self._trim is None or not self._lock.acquire(blocking=False):
-            return
-        try:
-            self._trim(0)
-            self.trims += 1
-        finally:
-            self._lock.release()
-
-
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        logging.getLogger("muser").info("no malloc_trim here: freed memory is not trimmed")
-        return None

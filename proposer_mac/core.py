@@ -357,17 +357,18 @@ class ProposerCore:
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt text to token ids, refused first when its size alone shows that it cannot
         fit the context window (blocking: call it off the event loop)."""
-        from proposer_mac.openai_request import max_token_bytes
+        from proposer_mac.openai_request import max_token_bytes, text_limit
 
         size = len(text.encode("utf-8"))
         context = self.target_context_length
         if self._token_bytes is None:
             self._token_bytes = max_token_bytes(self.tokenizer) or 0
-        if context is not None and self._token_bytes and size > context * self._token_bytes:
+        limit = text_limit(context, self._token_bytes)
+        if limit is not None and size > limit:
             raise RefusedError(
                 f"the prompt is {size} bytes of text; no token of this model spells more than "
                 f"{self._token_bytes} bytes, so it cannot fit the context window of {context} "
-                f"tokens (at most {context * self._token_bytes} bytes); nothing was tokenized"
+                f"tokens (at most {limit} bytes); nothing was tokenized"
             )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from muser.backend import MultiSequenceBackend
-from muser.errors import MuserError
+from muser.health import backend_failure
 from muser.stats import DraftingStats
 from proposer_mac.drafting import Drafter, Steps, run_together
 
@@ -102,9 +102,8 @@ class DraftQueue:
     def _tell(self, results: list) -> None:
         if self.on_draft is None:
             return
-        failed = [r for r in results if isinstance(r, Exception) and not isinstance(r, MuserError)]
         with contextlib.suppress(Exception):  # health is reported, never a draft's failure
-            self.on_draft(failed[0] if failed else None)
+            self.on_draft(backend_failure(results))
 
     def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
         """The order `jobs` run in: layer k holds each session's k-th job (a draft on a

@@ -122,10 +122,7 @@ class Api:
 
     @property
     def text_limit(self) -> int | None:
-        """Bytes of prompt text beyond which no tokenization fits the context window."""
-        if self.context_length is None or self.token_bytes is None:
-            return None
-        return self.context_length * self.token_bytes
+        return text_limit(self.context_length, self.token_bytes)
 
     @property
     def separator_limit(self) -> int | None:
@@ -134,6 +131,14 @@ class Api:
         message (each spends a byte of text on its role) and the other fields."""
         text = self.text_limit
         return None if text is None else 4 * text + self.context_length + 1024
+
+
+def text_limit(context_length: int | None, token_bytes: int | None) -> int | None:
+    """Bytes of prompt text beyond which no tokenization fits the context window (None:
+    one of the two is unknown, and only limits.max_message_bytes bounds the text)."""
+    if not context_length or not token_bytes:
+        return None
+    return context_length * token_bytes
 
 
 def max_token_bytes(tokenizer) -> int | None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from muser import keys
 from muser.backend import ModelBackend
-from muser.errors import MuserError
+from muser.health import backend_failure
 from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
 from muser.sampling import target_probs
 from muser.stats import VerifierStats
@@ -176,9 +176,8 @@ class RoundComputer:
         round (a MuserError names what the round did wrong; anything else is the backend's)."""
         if self.on_target is None:
             return
-        failed = [x for x in out if isinstance(x, Exception) and not isinstance(x, MuserError)]
         try:
-            self.on_target(failed[0] if failed else None)
+            self.on_target(backend_failure(out))
         except Exception as exc:  # health is reported, never a round's failure
             log.warning("the target's health was not updated: %s", exc)
 

@@ -48,10 +48,15 @@ from wal.log import FileLog
 
 log = logging.getLogger("muser.verifier")
 SERVICE = "muser.v2.Verifier"
-WAL_REMEDY = (
-    "restart the verifier once its disk takes writes again: it recovers the commit log at "
-    "start, and sessions resume from their last durable round"
-)
+
+
+def wal_fault(why: object) -> str:
+    """The `wal` fault's reason: what failed, and the operator's remedy."""
+    return (
+        f"the commit log failed: {why}; restart the verifier once its disk takes writes "
+        "again: it recovers the commit log at start, and sessions resume from their last "
+        "durable round"
+    )
 
 
 class VerifierServer(grpc.aio.Server):
@@ -100,7 +105,7 @@ class VerifierServer(grpc.aio.Server):
         """A round or an open met a failed commit log: NOT_SERVING until a restart recovers
         it (the log has usually said so first, naming the write or fsync that failed)."""
         if self.health.reason("wal") is None:
-            self.health.fault("wal", f"the commit log failed: {exc}; {WAL_REMEDY}")
+            self.health.fault("wal", wal_fault(exc))
 
 
 def load_keys(config: ClusterConfig):
@@ -154,7 +159,7 @@ def create_server(
     health = Health(SERVICE)
     commit_log = FileLog(
         Path(config.verifier.wal_dir) / "commit",
-        on_failure=lambda why: health.fault("wal", f"the commit log failed: {why}; {WAL_REMEDY}"),
+        on_failure=lambda why: health.fault("wal", wal_fault(why)),
     )
     try:
         manager = SessionManager(

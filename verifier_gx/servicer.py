@@ -147,16 +147,15 @@ thread (SHA-256 of 8 MB takes ~20 ms, and hashlib lets the loop run meanwhile)."
 
 async def check_fragments(fragments) -> None:
     """Every fragment hashes to its digest (FragmentStage.check), off the loop when big."""
-    if sum(len(f.data) for f in fragments) <= HASH_ON_LOOP_BYTES:
-        for f in fragments:
-            FragmentStage.check(f.digest, f.data)
-        return
 
     def check_all() -> None:
         for f in fragments:
             FragmentStage.check(f.digest, f.data)
 
-    await asyncio.to_thread(check_all)
+    if sum(len(f.data) for f in fragments) <= HASH_ON_LOOP_BYTES:
+        check_all()
+    else:
+        await asyncio.to_thread(check_all)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):

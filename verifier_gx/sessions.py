@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from cluster_config.schema import Limits
-from muser import heap, keys
+from muser import keys
 from muser.backend import ModelBackend, ModelIdentity
 from muser.errors import (
     FragmentLimitError,
@@ -167,8 +167,6 @@ class SessionManager:
         )
         self.replay = self._recover()
         self.compactor = LogCompactor(log, compact_bytes)
-        self.trimmer = heap.Trimmer()
-        """Hands freed native memory back as sessions close (muser.heap)."""
         self._seen = dict.fromkeys(self.replay.sessions, clock())
         """Per open session, when it was last opened, attached to or sent a round (`clock`;
         `close_idle`)."""
@@ -425,7 +423,6 @@ class SessionManager:
             await self._journal_close(session_id)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
         in_background(self.compactor.maybe_compact(), "commit log compaction", log)
-        in_background(self.trimmer.session_ended(), "trimming freed memory", log)
 
     async def _journal_close(self, session_id: bytes) -> None:
         """Journal a session's CLOSE; once durable, apply it and drop all held for it."""
