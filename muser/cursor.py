@@ -8,15 +8,31 @@ Rollback is explicit and checked by the backend (STYLE.md item 6).
 Several cursors may share one backend (one model, many sessions): the backend remembers
 which cursor last shaped its cache, and a cursor that finds another owner resets the cache
 and rebuilds from its own tokens — correct always, and cheap when sessions don't interleave.
+The backend remembers its cursor by a weak reference: a sequence and its cursor would
+otherwise hold each other, a cycle only the garbage collector's rare full pass frees, and a
+daemon kept every finished session's KV until then (issue 35's soak: 2 MB a session).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from muser.backend import ModelBackend
+
+
+def owner(backend: object) -> KvCursor | None:
+    """The cursor that last shaped `backend`'s cache, while it lives; None otherwise."""
+    ref = getattr(backend, "_muser_cursor", None)
+    return ref() if ref is not None else None
+
+
+def set_owner(backend: object, cursor: KvCursor) -> None:
+    """Note `cursor` as the one that shaped `backend`'s cache (weakly: see the module
+    docstring)."""
+    backend._muser_cursor = weakref.ref(cursor)  # type: ignore[attr-defined]
 
 
 class KvCursor:
@@ -27,15 +43,15 @@ class KvCursor:
         """Logits after the last cached token (None when unknown, e.g. after a rollback)."""
 
     def _claim(self) -> None:
-        if getattr(self.backend, "_muser_cursor", None) is not self:
+        if owner(self.backend) is not self:
             self.backend.reset()
             self.tokens = []
             self.last_row = None
-            self.backend._muser_cursor = self  # type: ignore[attr-defined]
+            set_owner(self.backend, self)
 
     def holds(self, tokens: Sequence[int]) -> bool:
         """True when the backend's cache is this cursor's and holds exactly `tokens`."""
-        return getattr(self.backend, "_muser_cursor", None) is self and self.tokens == list(tokens)
+        return owner(self.backend) is self and self.tokens == list(tokens)
 
     def _common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest common prefix of the cache's tokens and `tokens`. Every
@@ -59,7 +75,7 @@ class KvCursor:
     def reusable(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the cache already holds for this cursor (what `hold`
         and `sync` will not re-evaluate)."""
-        if getattr(self.backend, "_muser_cursor", None) is not self:
+        if owner(self.backend) is not self:
             return 0
         return self._common_prefix(tokens)
 
@@ -85,7 +101,7 @@ class KvCursor:
     def record(self, tokens: Sequence[int], rows: np.ndarray) -> None:
         """Note that `tokens` were evaluated after the cache outside this cursor (a batched
         forward, a capture) with `rows` their logits: the cursor then holds them too."""
-        if getattr(self.backend, "_muser_cursor", None) is not self:
+        if owner(self.backend) is not self:
             raise ValueError("record() after another cursor shaped the cache; hold() first")
         if len(rows) != len(tokens):
             raise ValueError(f"{len(rows)} rows recorded for {len(tokens)} tokens")
@@ -97,7 +113,7 @@ class KvCursor:
         """After an evaluate outside this cursor failed part-way (a batch that refused one
         of its sequences after appending others): drop the KV the backend holds beyond this
         cursor's tokens, so both agree again."""
-        if getattr(self.backend, "_muser_cursor", None) is not self:
+        if owner(self.backend) is not self:
             return
         extra = self.backend.length - len(self.tokens)
         if extra > 0:

@@ -84,6 +84,28 @@ def test_two_cursors_sharing_one_backend_stay_correct():
     assert a.sync([1, 2, 3, 9]).tolist() == FakeBackend().evaluate([1, 2, 3, 9])[-1].tolist()
 
 
+def test_a_dropped_cursor_and_its_backend_are_freed_without_the_collector():
+    """A session's KV (its forked backend) goes when the session lets go of it, not at the
+    garbage collector's next full pass: the backend names its cursor weakly (issue 35's
+    soak held every finished session's target KV in a backend <-> cursor cycle)."""
+    import gc
+    import weakref
+
+    from muser.cursor import KvCursor, owner
+
+    backend = FakeBackend()
+    cursor = KvCursor(backend)
+    cursor.sync([1, 2, 3])
+    assert owner(backend) is cursor
+    gone = weakref.ref(backend)
+    gc.disable()
+    try:
+        del backend, cursor
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_common_prefix_equals_the_token_by_token_count():
     """The C-speed prefix search (`KvCursor._common_prefix`) against the plain loop, on
     held/given lists that agree for any length, differ anywhere, or are empty."""
