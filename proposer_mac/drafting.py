@@ -50,7 +50,7 @@ from typing import TypeVar
 import numpy as np
 
 from muser.backend import ModelBackend, MultiSequenceBackend, batches
-from muser.cursor import KvCursor
+from muser.cursor import KvCursor, set_owner
 from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
 from muser.round import DEFAULT_Q_TOP_K
@@ -366,7 +366,7 @@ class Drafter:
         for seq in seqs:
             cursor = KvCursor(seq)
             cursor.tokens, cursor.last_row = list(self.cursor.tokens), self.cursor.last_row
-            seq._muser_cursor = cursor
+            set_owner(seq, cursor)
             cursors.append(cursor)
         return cursors
 

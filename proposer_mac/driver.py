@@ -146,7 +146,15 @@ class SessionRunner:
             if self.owns_draft_kv:  # in the draft thread: after any speculation still running
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self.core.draft_pool, self.drafter.cursor.backend.reset)
+            self._let_go()
             await self._notify()
+
+    def _let_go(self) -> None:
+        """The session ended: keep what its clients and status read (the session's tokens,
+        stats, error) and drop its drafter and its drafts made ahead, with their rows and
+        KV cursors. The daemon keeps up to limits.finished_sessions ended runners; each held
+        its draft's last logit row (393 KB on the real pair) and clones until forgotten."""
+        self.drafter = self.ahead = self.send_ahead = None  # type: ignore[assignment]
 
     def _start_draft(self) -> asyncio.Future:
         """Draft the next round in the draft thread; returns (proposal, seconds)."""

@@ -519,6 +519,8 @@ async def test_each_session_drafts_on_its_own_kv_and_drops_it_at_the_end(key_set
     assert all(r.session.emitted == local.tokens for r in runners)
     assert len(draft.forks) == 3 and draft.evaluated == 0  # the shared KV never drafted
     assert all(f.evaluated > 0 and f.length == 0 for f in draft.forks)  # each dropped at its end
+    # a finished runner (kept for limits.finished_sessions) holds no drafter, rows or KV
+    assert all(r.drafter is None and r.ahead is None and r.send_ahead is None for r in runners)
 
 
 @pytest.mark.asyncio
