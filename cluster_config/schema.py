@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -430,6 +431,47 @@ class Tls(_Strict):
         return getattr(self, role)
 
 
+API_KEY_MIN_CHARS = 16
+
+
+def _check_api_keys(value: object) -> object:
+    """Each key: visible ASCII (it travels in an HTTP header), long enough not to guess.
+    No message quotes a key (`load_config` hides the values of http.api_keys too)."""
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of key strings, got a {type(value).__name__}")
+    for i, key in enumerate(value):
+        if not isinstance(key, str):
+            raise ValueError(f"key {i}: expected a string, got a {type(key).__name__}")
+        bad = [c for c in key if not "!" <= c <= "~"]
+        if len(key) < API_KEY_MIN_CHARS or bad:
+            what = (
+                f"a {'space' if bad[0] == ' ' else 'character outside visible ASCII'}"
+                if bad
+                else f"{len(key)} characters"
+            )
+            raise ValueError(
+                f"key {i} has {what}; expected at least {API_KEY_MIN_CHARS} visible ASCII "
+                "characters, no spaces (`python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'` makes one)"
+            )
+    return value
+
+
+class Http(_Strict):
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Keys the HTTP endpoints (the OpenAI-compatible API, and /metrics on both "
+        "daemons) accept as `Authorization: Bearer KEY`; any other request gets 401 and "
+        "starts nothing. Empty (the default): anyone who reaches them may call. Never shown "
+        "or logged.",
+    )
+
+    _keys = field_validator("api_keys", mode="before")(_check_api_keys)
+
+    def secrets(self) -> list[str]:
+        return [k.get_secret_value() for k in self.api_keys]
+
+
 class ClusterConfig(_Strict):
     verifier: VerifierNode = Field(description="The verifier node (target, commit WAL).")
     proposer: ProposerNode = Field(description="The proposer node (draft, session journal).")
@@ -437,6 +479,7 @@ class ClusterConfig(_Strict):
     enrolment: Enrolment = Field(description="Public keys each side accepts signatures from.")
     limits: Limits = Field(default_factory=Limits, description="Resource limits.")
     tls: Tls | None = Field(None, description="Mutual TLS on every channel (default: none).")
+    http: Http = Field(default_factory=Http, description="API keys of the HTTP endpoints.")
     path: FilePath | None = Field(None, exclude=True, description="Where this file was read from.")
 
 
@@ -492,8 +535,8 @@ def load_config(path: str | Path) -> ClusterConfig:
         problems = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"])
-            got = err.get("input")
-            problems.append(f"{where}: {err['msg']} (got {got!r})")
+            got = "<not shown>" if where.startswith("http.api_keys") else repr(err.get("input"))
+            problems.append(f"{where}: {err['msg']} (got {got})")
         raise ConfigError(f"{path}: " + "; ".join(problems)) from exc
     if not cfg.lane.receipt.is_absolute():  # the default, also beside this file
         lane = cfg.lane.model_copy(update={"receipt": path.parent.resolve() / cfg.lane.receipt})

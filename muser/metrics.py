@@ -59,7 +59,7 @@ Proposer only (rounds of many sessions drafted together, lane.draft_batch):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,14 +454,18 @@ def metrics_route(view: Callable[[], DaemonView]):
     return web.get("/metrics", metrics_handler(view))
 
 
-async def serve_metrics(address: str, view: Callable[[], DaemonView], ssl_context=None):
+async def serve_metrics(
+    address: str, view: Callable[[], DaemonView], ssl_context=None, api_keys: Sequence[str] = ()
+):
     """Start a small HTTP server with GET /metrics on HOST:PORT (port 0: any free port;
-    HTTPS with `ssl_context`). Returns (runner, port); `await runner.cleanup()` stops it."""
+    HTTPS with `ssl_context`; a Bearer key from `api_keys` required when there are any).
+    Returns (runner, port); `await runner.cleanup()` stops it."""
     from aiohttp import web
 
     from muser.errors import RefusedError
+    from muser.http_auth import bearer_auth
 
-    app = web.Application()
+    app = web.Application(middlewares=[bearer_auth(api_keys)])
     app.add_routes([metrics_route(view)])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

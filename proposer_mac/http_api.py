@@ -33,6 +33,7 @@ from aiohttp import web
 
 from cluster_config import ClusterConfig
 from muser.errors import MuserError, RefusedError
+from muser.http_auth import bearer_auth
 from proposer_mac.link import LinkDown, RoundRefused
 from proposer_mac.openai_request import (
     CHAT,
@@ -442,7 +443,10 @@ def create_app(
 ) -> web.Application:
     """The OpenAI-compatible app over `core` (ProposerCore); `extra_routes` (e.g. /metrics)
     are served by the same app."""
-    app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_message_bytes)
+    app = web.Application(
+        middlewares=[bearer_auth(config.http.secrets()), _errors],  # the key before any work
+        client_max_size=config.limits.max_message_bytes,
+    )
     app[API] = Api(
         core,
         tokenizer,

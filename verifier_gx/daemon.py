@@ -228,6 +228,7 @@ async def _serve(config: ClusterConfig) -> None:
                 config.verifier.http,
                 lambda: metrics_view(server.manager),
                 tls.http_ssl_context(config.tls, "verifier"),  # HTTPS under [tls]
+                config.http.secrets(),
             )
         except RefusedError as exc:
             await server.stop(None)

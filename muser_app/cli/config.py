@@ -104,6 +104,13 @@ cert = "keys/tls/client.pem"
 key = "keys/tls/client.key"
 """
 
+HTTP_SECTION = """
+# the HTTP endpoints (the OpenAI-compatible API, both daemons' /metrics) answer only requests
+# with `Authorization: Bearer KEY` for one of these keys; others get 401
+[http]
+api_keys = {api_keys}
+"""
+
 
 def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
@@ -129,6 +136,12 @@ def register(sub, name: str, help_text: str) -> None:
     )
     init.add_argument(
         "--tls", action="store_true", help="also write a CA, certificates and the [tls] section"
+    )
+    init.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on the HTTP endpoints (the OpenAI API, "
+        "/metrics): writes [http] api_keys, and the file becomes readable by its owner only",
     )
     init.set_defaults(func=run_init)
     check = actions.add_parser("check", help="validate a cluster file (exit 0 ok, 2 refused)")
@@ -189,6 +202,7 @@ def init_cluster(
     pair: str | None = None,
     draft_kind: str | None = None,
     tls: bool = False,
+    api_key: str | None = None,
 ) -> Path:
     from muser.errors import RefusedError
     from muser_app.cli.keygen import refuse_taken, write_keys
@@ -202,6 +216,13 @@ def init_cluster(
         from muser.tls import private_paths
 
         refuse_taken(private_paths(directory / "keys" / "tls", names), force)
+    if api_key is not None:
+        from cluster_config.schema import _check_api_keys
+
+        try:
+            _check_api_keys([api_key])
+        except ValueError as exc:
+            raise RefusedError(f"--api-key: {str(exc).replace('key 0 has', 'it has')}") from exc
     if not 0 <= draft_len <= 64:
         raise RefusedError(f"--draft-len {draft_len} received; expected 0 to 64 (lane.draft_len)")
     from muser_app.cli._common import pair_models
@@ -231,8 +252,12 @@ def init_cluster(
         write_tls(directory / "keys" / "tls", names, force=force)
     verifier_port, verifier_http_port, proposer_port, http_port = free_ports(4)
     proposer_cpus, verifier_cpus = _cpu_lines()
+    sections = TEMPLATE + (TLS_SECTION if tls else "") + (HTTP_SECTION if api_key else "")
+    if api_key is not None:  # a secret in the file: only its owner reads it
+        path.touch(mode=0o600)
+        path.chmod(0o600)
     path.write_text(
-        (TEMPLATE + (TLS_SECTION if tls else "")).format(
+        sections.format(
             verifier_port=verifier_port,
             verifier_http_port=verifier_http_port,
             proposer_port=proposer_port,
@@ -245,6 +270,7 @@ def init_cluster(
             **_floor(draft_backend),
             proposer_cpus=proposer_cpus,
             verifier_cpus=verifier_cpus,
+            api_keys=_toml_value([api_key]) if api_key else "",
         )
     )
     return path
@@ -276,6 +302,7 @@ def run_init(args: argparse.Namespace) -> int:
         draft_len=args.draft_len,
         force=args.force,
         tls=args.tls,
+        api_key=args.api_key,
         pair=args.pair,
         draft_kind=args.draft_kind,
     )

@@ -75,9 +75,13 @@ class Core:
         return self.runners[-1]
 
 
-def config(max_message_bytes: int = 1 << 20):
+def config(max_message_bytes: int = 1 << 20, api_keys: tuple[str, ...] = ()):
     limits = types.SimpleNamespace(max_message_bytes=max_message_bytes, max_tokens=4096)
-    return types.SimpleNamespace(limits=limits, verifier=types.SimpleNamespace(target="/x/t"))
+    return types.SimpleNamespace(
+        limits=limits,
+        verifier=types.SimpleNamespace(target="/x/t"),
+        http=types.SimpleNamespace(secrets=lambda: list(api_keys)),
+    )
 
 
 def app_of(core, tokenizer, **cfg):
