@@ -138,6 +138,12 @@ class Mt19937:
         other.draws = self.draws
         return other
 
+    def compact(self) -> None:
+        """Drop the tempered words cached for drawing (624 Python ints, ~22 KB); the next
+        draw makes them again. For a state kept but no longer drawn from (an ended
+        session that a daemon still remembers)."""
+        self._tempered = None
+
     # --- drawing --------------------------------------------------------------------------
 
     def next_u32(self) -> int:

@@ -153,8 +153,10 @@ class SessionRunner:
         """The session ended: keep what its clients and status read (the session's tokens,
         stats, error) and drop its drafter and its drafts made ahead, with their rows and
         KV cursors. The daemon keeps up to limits.finished_sessions ended runners; each held
-        its draft's last logit row (393 KB on the real pair) and clones until forgotten."""
+        its draft's last logit row (393 KB on the real pair) and clones until forgotten, and
+        its MT state the words cached for drawing (22 KB)."""
         self.drafter = self.ahead = self.send_ahead = None  # type: ignore[assignment]
+        self.session.forget_draws()
 
     def _start_draft(self) -> asyncio.Future:
         """Draft the next round in the draft thread; returns (proposal, seconds)."""

@@ -294,6 +294,14 @@ class ProposerSession:
                 f"stop token {list(stops)}); the result emits {emitted}"
             )
 
+    def forget_draws(self) -> None:
+        """The session ended: nothing more is drawn, so drop the draw caches its MT state
+        holds and any checked result's state (what an ended session kept costs memory for
+        each of limits.finished_sessions)."""
+        self._checked = None
+        if self.state is not None:
+            self.state.compact()
+
     def apply(self, result: RoundResult) -> list[int]:
         """Advance past a checked, journaled result; return the tokens to emit."""
         depth, emitted = len(result.drafts), result.emitted()

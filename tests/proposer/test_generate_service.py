@@ -521,6 +521,7 @@ async def test_each_session_drafts_on_its_own_kv_and_drops_it_at_the_end(key_set
     assert all(f.evaluated > 0 and f.length == 0 for f in draft.forks)  # each dropped at its end
     # a finished runner (kept for limits.finished_sessions) holds no drafter, rows or KV
     assert all(r.drafter is None and r.ahead is None and r.send_ahead is None for r in runners)
+    assert all(r.session.state._tempered is None for r in runners)  # nor draw caches
 
 
 @pytest.mark.asyncio
