@@ -4,8 +4,9 @@ every session's tokens checked against its prompt's lone run. Writes a JSON rece
 the memory curve as a PNG; exits 1 when a bound of `muser_app.bench.soak.verdict` broke or
 a session differed.
 
-    python scripts/soak.py --pair toy --sessions 1000 --concurrency 16 \\
-        --receipt docs/receipts/soak-session24.json --png docs/soak-memory.png
+    python scripts/soak.py --pair toy --sessions 1000 --concurrency 16 --every 25 \\
+        --set limits.finished_sessions=256 \\
+        --receipt docs/receipts/soak-toy-session26.json --png docs/soak-memory.png
 """
 
 from __future__ import annotations
