@@ -68,3 +68,58 @@ def server_options(limits: KeepaliveLimits) -> list[tuple[str, int]]:
             ("grpc.http2.max_ping_strikes", 0),  # 0: never strike a client off
         ],
     )
+
+
+class _Malformed:
+    """What a request that did not parse becomes, so its handler can refuse it clearly."""
+
+    def __init__(self, method: str, exc: Exception) -> None:
+        self.why = f"{method}: the message does not parse as its protobuf type ({exc})"
+
+
+def refuse_malformed():
+    """A server interceptor: a request message that does not parse gets INVALID_ARGUMENT
+    naming the method, not gRPC's UNKNOWN with a traceback in the daemon's log (its
+    deserializer runs before any handler). Every daemon server installs it. A request
+    stream's messages are parsed as its servicer reads them, which then sees the
+    DecodeError and answers it (the verifier's Rounds)."""
+    import grpc
+
+    async def refuse(context, request) -> None:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+
+    class RefuseMalformed(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            handler = await continuation(details)
+            if handler is None or handler.request_deserializer is None:
+                return handler
+            parse, method = handler.request_deserializer, details.method
+
+            def tolerant(data: bytes):
+                try:
+                    return parse(data)
+                except Exception as exc:  # DecodeError, or anything a parser raises
+                    return _Malformed(method, exc)
+
+            out = handler.response_serializer
+            if handler.unary_unary is not None:
+                inner_uu = handler.unary_unary
+
+                async def unary_unary(request, context):
+                    await refuse(context, request)
+                    return await inner_uu(request, context)
+
+                return grpc.unary_unary_rpc_method_handler(unary_unary, tolerant, out)
+            if handler.unary_stream is not None:
+                inner_us = handler.unary_stream
+
+                async def unary_stream(request, context):
+                    await refuse(context, request)
+                    async for reply in inner_us(request, context):
+                        yield reply
+
+                return grpc.unary_stream_rpc_method_handler(unary_stream, tolerant, out)
+            return handler  # a request stream: its servicer reads DecodeError from it
+
+    return RefuseMalformed()

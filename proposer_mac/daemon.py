@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2_grpc
 from cluster_config import ClusterConfig
 from muser import heap, tls
 from muser.affinity import serving
-from muser.channels import server_options
+from muser.channels import refuse_malformed, server_options
 from muser.errors import RefusedError
 from muser.metrics import metrics_route
 from muser.records import Identity
@@ -76,7 +76,9 @@ async def create_server(
     core = ProposerCore(config, draft=draft, target_identity=target_identity, tokenizer=tokenizer)
     if core.target_identity is None:
         core.target_identity = await ask_target_identity(core, identity_timeout)
-    server = grpc.aio.server(options=server_options(config.limits))
+    server = grpc.aio.server(
+        interceptors=[refuse_malformed()], options=server_options(config.limits)
+    )
     pb_grpc.add_ProposerServicer_to_server(ProposerServicer(core), server)
     health_pb2_grpc.add_HealthServicer_to_server(core.health.servicer, server)
     port = tls.add_port(server, config.proposer.bind_address, config.tls, "proposer")

@@ -38,7 +38,7 @@ from cluster_config.schema import ClusterConfig, ConfigError
 from muser import heap, keys, tls
 from muser.affinity import serving
 from muser.backend import ModelBackend
-from muser.channels import server_options
+from muser.channels import refuse_malformed, server_options
 from muser.errors import RefusedError
 from muser.health import Health
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -178,10 +178,11 @@ def create_server(
         )
         commit_log.on_fsync = manager.stats.observe_fsync
         inner = grpc.aio.server(
+            interceptors=[refuse_malformed()],
             options=[
                 *server_options(config.limits),
                 ("grpc.so_reuseport", 0),  # a second daemon on a taken port fails to bind
-            ]
+            ],
         )
         server = VerifierServer(inner, manager, health)  # health answers from start()
         servicer = VerifierServicer(manager, on_fatal=server.not_serving)

@@ -234,6 +234,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             msg = await anext(messages)
         except StopAsyncIteration:
             return
+        except DecodeError as exc:  # gRPC parses a stream's messages as they are read
+            bad = CanonicalError(f"the first message of the stream is not a ProposerMessage: {exc}")
+            await self._abort(context, bad, "attach")
         kind = msg.WhichOneof("kind")
         try:
             if kind != "attach":

@@ -675,3 +675,30 @@ async def test_a_draft_that_fails_after_a_result_still_commits_that_result(
     assert entries[-1]["reason"] == "the draft backend died"
     tokens, finished = await runner.wait_tokens(0)
     assert tokens == emitted and not finished
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_does_not_parse_is_refused_as_invalid_not_unknown(key_set, tmp_path):
+    """gRPC parses a request before any handler runs; the daemons' interceptor
+    (`muser.channels.refuse_malformed`) answers one that does not parse with
+    INVALID_ARGUMENT naming the method, and the daemon goes on serving."""
+    c = await start(key_set, tmp_path)
+    service = "/" + pb.DESCRIPTOR.services_by_name["Proposer"].full_name
+    raw = {"request_serializer": None, "response_deserializer": None}
+    try:
+        for method, call in (
+            ("Generate", c.channel.unary_stream(f"{service}/Generate", **raw)),
+            ("Status", c.channel.unary_unary(f"{service}/Status", **raw)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                reply = call(b"\xff\xff\xff")  # a field tag with no end: corrupt wire format
+                if method == "Generate":
+                    [_ async for _ in reply]
+                else:
+                    await reply
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"{service}/{method}: the message does not parse" in err.value.details()
+        events = await c.generate(PARAMS, prompt_tokens=PROMPT)
+        assert events[-1].done
+    finally:
+        await stop(c)
