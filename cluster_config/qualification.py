@@ -10,11 +10,11 @@ the receipt.
 The receipt file (`lane.receipt`, default `qualification.json` beside the cluster file) is
 JSON, a carrier only:
 
-    {"format": "muser.qualification-receipt.v1",
+    {"format": "muser.qualification-receipt.v2",
      "software": {"package": "muser-cluster", "version": "0.1.0"},
      "target": {"model_digest", "tokenizer_digest", "vocab_size", "architecture",
-                "backend", "dtype"},
-     "draft":  {... the same six fields, from the proposer's draft},
+                "backend", "dtype", "device"},
+     "draft":  {... the same seven fields, from the proposer's draft},
      "lane":   {every [lane] knob but receipt and acceptance_floor: draft_len,
                 draft_len_min, draft_len_max, q_top_k, capture_layers, ...},
      "evidence": {"prompts", "prompts_digest", "tokens_per_prompt", "tolerance",
@@ -50,7 +50,8 @@ from cluster_config.schema import ClusterConfig, ConfigError, Lane
 from muser.canonical import CanonicalError, Writer
 from muser.errors import MuserError
 
-FORMAT = "muser.qualification-receipt.v1"
+FORMAT = "muser.qualification-receipt.v2"
+"""v2 binds each side's device kind; a v1 receipt (which did not) is refused: re-qualify."""
 DOMAIN = "qualification-receipt"
 PACKAGE = "muser-cluster"
 MIN_TOKENS = 256
@@ -102,6 +103,10 @@ class ModelBinding:
     architecture: str
     backend: str
     dtype: str
+    device: str
+    """Where it ran, by kind: `cpu`, `cuda` (any `cuda:N`), the mlx draft's `auto`/`gpu`. A
+    receipt made on one kind of device does not admit another: the rows a lane was checked
+    against were computed there (issue 34)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,9 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
     ):
         if field == "draft" and receipt is not None and not draft_files_here(config):
             held = receipt.binding.draft
-            sides[field] = replace(held, backend=node.backend, dtype=node.dtype)
+            sides[field] = replace(
+                held, backend=node.backend, dtype=node.dtype, device=device_kind(node.device)
+            )
             continue
         try:
             path = getattr(node, field)
@@ -199,8 +206,14 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
             ident.architecture,
             node.backend,
             node.dtype,
+            device_kind(node.device),
         )
     return Binding(software_version(), sides["target"], sides["draft"], lane_params(config.lane))
+
+
+def device_kind(device: str) -> str:
+    """`cuda:1` -> `cuda`: a receipt binds the kind of device, not which one of a kind."""
+    return device.partition(":")[0]
 
 
 def draft_files_here(config: ClusterConfig) -> bool:
@@ -245,7 +258,7 @@ def _value(w: Writer, v: object) -> None:
 
 def _model(w: Writer, m: ModelBinding) -> None:
     w.raw(bytes.fromhex(m.model_digest), 32).raw(bytes.fromhex(m.tokenizer_digest), 32)
-    w.u32(m.vocab_size).text(m.architecture).text(m.backend).text(m.dtype)
+    w.u32(m.vocab_size).text(m.architecture).text(m.backend).text(m.dtype).text(m.device)
 
 
 def _binding(w: Writer, b: Binding) -> None:
@@ -314,7 +327,11 @@ def from_json(data: object) -> Receipt:
     """Parse the carrier; ValueError/KeyError/TypeError on a malformed one (see read_receipt)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"format is {got!r}, expected {FORMAT!r}")
+        earlier = " (an earlier format that did not bind the device: re-qualify)"
+        raise ValueError(
+            f"format is {got!r}, expected {FORMAT!r}"
+            + (earlier if got == "muser.qualification-receipt.v1" else "")
+        )
     software = data["software"]
     if software["package"] != PACKAGE:
         raise ValueError(f"package is {software['package']!r}, expected {PACKAGE!r}")

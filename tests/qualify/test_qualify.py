@@ -105,7 +105,9 @@ def test_qualify_writes_a_receipt_bound_to_the_models_lane_and_version(
 def test_signed_fields_cannot_be_edited(tmp_path):
     """Every signed field of the file is covered: editing any one breaks the signature."""
     signer = keys.generate()
-    model = q.ModelBinding("ab" * 32, "cd" * 32, 2048, "LlamaForCausalLM", "torch", "float32")
+    model = q.ModelBinding(
+        "ab" * 32, "cd" * 32, 2048, "LlamaForCausalLM", "torch", "float32", "cpu"
+    )
     binding = q.Binding("0.1.0", model, model, {"draft_len": 4, "capture_layers": [1]})
     evidence = q.Evidence(4, "ef" * 32, 256, 1e-4, 1024, 9e-6, 1400, 650)
     path = tmp_path / "receipt.json"
@@ -116,6 +118,7 @@ def test_signed_fields_cannot_be_edited(tmp_path):
         ("software", "version", "0.2.0"),
         ("target", "model_digest", "00" * 32),
         ("draft", "dtype", "bfloat16"),
+        ("target", "device", "cuda"),
         ("lane", "draft_len", 5),
         ("lane", "capture_layers", [2]),
         ("evidence", "accepted", 1300),
@@ -135,6 +138,19 @@ def test_signed_fields_cannot_be_edited(tmp_path):
     path.write_text(json.dumps({**original, "format": "something else"}))
     with pytest.raises(q.QualificationError, match="not a valid qualification receipt"):
         q.read_receipt(path)
+    v1 = {**original, "format": "muser.qualification-receipt.v1"}  # bound no device
+    path.write_text(json.dumps(v1))
+    with pytest.raises(q.QualificationError, match="did not bind the device: re-qualify"):
+        q.read_receipt(path)
+
+
+def test_a_receipt_binds_the_kind_of_device_not_which_one():
+    assert [q.device_kind(d) for d in ("cpu", "cuda", "cuda:1", "auto")] == [
+        "cpu",
+        "cuda",
+        "cuda",
+        "auto",
+    ]
 
 
 # --- the verifier refuses to start without a matching receipt --------------------------------
@@ -251,6 +267,17 @@ K = DEFAULT_Q_TOP_K
 def test_verifier_refuses_after_lane_params_changed(qualified, capsys, old, new, expected):
     edit(qualified, old, new)
     assert expected in refused_serve(capsys, qualified)
+
+
+@pytest.mark.timeout(120)
+def test_a_receipt_made_on_a_cpu_does_not_admit_a_cuda_target(qualified):
+    """The receipt check (config check, daemon start) on the binding alone: this machine's
+    daemon would refuse `cuda` earlier, for want of a GPU."""
+    edit(qualified, 'wal_dir = "wal/verifier"\n', 'wal_dir = "wal/verifier"\ndevice = "cuda:0"\n')
+    with pytest.raises(q.QualificationError, match="target device: qualified 'cpu', now 'cuda'"):
+        q.require_receipt(load_config(qualified))
+    edit(qualified, 'device = "cuda:0"\n', 'device = "cpu"\n')
+    q.require_receipt(load_config(qualified))  # the device it was made on: admitted
 
 
 @pytest.mark.timeout(120)
