@@ -218,3 +218,13 @@ def top_k_ids(p: np.ndarray, k: int) -> np.ndarray:
     above = np.flatnonzero(p > kth)
     ties = np.flatnonzero(p == kth)[: k - above.size]
     return np.sort(np.concatenate([above, ties])).astype(np.int64)
+
+
+def check_stop_tokens(params: SamplingParams, vocab: int) -> None:
+    """Refuse a stop token outside the target's vocabulary (the verifier at open, and the
+    proposer before it journals a session, so both refuse with the same words)."""
+    for token in params.stop_tokens:
+        if not 0 <= token < vocab:
+            raise TokenOutOfVocabularyError(
+                f"stop token {token} outside the vocabulary [0, {vocab})"
+            )

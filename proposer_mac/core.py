@@ -32,7 +32,7 @@ from muser.channels import channel_options
 from muser.errors import MuserError, RefusedError
 from muser.health import Health
 from muser.records import Identity, RoundResult
-from muser.sampling import SamplingParams
+from muser.sampling import SamplingParams, check_stop_tokens
 from muser.stats import DaemonStats, LaneStats
 from muser.tasks import in_background
 from muser.width import FixedWidth, WidthPolicy, width_policy
@@ -404,6 +404,7 @@ class ProposerCore:
         bad = [t for t in prompt if t >= vocab]
         if bad:
             raise RefusedError(f"prompt token {bad[0]} outside the vocabulary [0, {vocab})")
+        check_stop_tokens(params, vocab)  # before anything is journaled (the verifier would)
         lane = self.config.lane
         if draft_len and not lane.draft_len_min <= draft_len <= lane.draft_len_max:
             raise RefusedError(

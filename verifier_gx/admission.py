@@ -35,7 +35,7 @@ from muser.records import (
     tokens_from_bytes,
     transcript_chunks,
 )
-from muser.sampling import SamplingParams
+from muser.sampling import SamplingParams, check_stop_tokens
 from muser.verify import replay_drafts
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import short
@@ -87,14 +87,6 @@ def check_params(
         if num_layers is not None and not 0 <= layer < num_layers:
             raise CaptureLayerError(
                 f"capture layer {layer} outside [0, {num_layers}) decoder layers"
-            )
-
-
-def check_stop_tokens(params: SamplingParams, vocab: int) -> None:
-    for token in params.stop_tokens:
-        if not 0 <= token < vocab:
-            raise TokenOutOfVocabularyError(
-                f"stop token {token} outside the vocabulary [0, {vocab})"
             )
 
 

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     width = local_width(args) if args.lane == "local" else None  # refused before loading
     models = open_models(args, need_draft=args.lane == "local")
     prompt = encode_prompt(models.tokenizer, text)
-    from verifier_gx.admission import check_room, check_stop_tokens
+    from muser.sampling import check_stop_tokens
+    from verifier_gx.admission import check_room
 
     # before any token: what the cluster's verifier refuses at open, refused here the same way
     check_room(len(prompt), params, models.target.geometry.context_length)

@@ -702,3 +702,23 @@ async def test_a_request_that_does_not_parse_is_refused_as_invalid_not_unknown(k
         assert events[-1].done
     finally:
         await stop(c)
+
+
+@pytest.mark.asyncio
+async def test_a_stop_token_outside_the_vocabulary_is_refused_before_anything_is_journaled(
+    key_set, tmp_path
+):
+    """Found by the fuzzer (test_generate_fuzz): the verifier refused it at open, after the
+    proposer had journaled the session and its failure."""
+    c = await start(key_set, tmp_path)
+    try:
+        seq = c.server.core.log.last_seq
+        vocab = c.server.core.target_identity.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=4, stop_tokens=(vocab,))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.generate(params, prompt_tokens=PROMPT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"stop token {vocab} outside the vocabulary [0, {vocab})" in err.value.details()
+        assert c.server.core.log.last_seq == seq and not c.server.core.runners
+    finally:
+        await stop(c)
