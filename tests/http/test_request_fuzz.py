@@ -77,3 +77,20 @@ def test_any_completion_body_is_prepared_or_refused_with_a_4xx(api, body):
 @given(body=bodies(CHAT))
 def test_any_chat_body_is_prepared_or_refused_with_a_4xx(api, body):
     check(api, body, chat=True)
+
+
+LONG = settings(FUZZ, max_examples=10_000)
+
+
+@pytest.mark.slow
+@LONG
+@given(body=bodies(COMPLETIONS))
+def test_ten_thousand_completion_bodies_are_prepared_or_refused_with_a_4xx(api, body):
+    check(api, body, chat=False)
+
+
+@pytest.mark.slow
+@LONG
+@given(body=bodies(CHAT))
+def test_ten_thousand_chat_bodies_are_prepared_or_refused_with_a_4xx(api, body):
+    check(api, body, chat=True)

@@ -86,6 +86,11 @@ async def test_a_failed_session_lets_go_of_its_verifier_slot(key_set, tmp_path, 
         await failed.task
         assert isinstance(failed.error, ResultRejected)
         assert failed.error.__traceback__ is None  # kept without the frames that hold a stream
+        sid = failed.session.session_id
+        for _ in range(200):  # closed in the background once FAILED is durable, not at once
+            if sid in c.verifier.manager.replay.closed:
+                break
+            await asyncio.sleep(0.01)
         monkeypatch.undo()
         second = await core.start_session(PROMPT, PARAMS)  # the one slot is free again
         await second.task
