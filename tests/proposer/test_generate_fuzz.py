@@ -12,11 +12,10 @@ The default suite tries 500 cases (with the HTTP API's 500 in tests/http/test_re
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from muser.sampling import SamplingParams
@@ -24,6 +23,7 @@ from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser_app.lanes.local import run_local
 from tests.core.fake_backend import FakeBackend
+from tests.fuzzing import cases, unhandled_errors
 from tests.proposer.test_generate_service import start, stop
 from tests.verifier.conftest import PROMPT
 
@@ -111,35 +111,26 @@ class Fuzz:
 
 
 def fuzz_all(key_set, tmp_path, examples: int) -> None:
-    errors: list[logging.LogRecord] = []
-    catch = logging.Handler(logging.ERROR)
-    catch.emit = errors.append
-    logging.getLogger().addHandler(catch)
-    f = Fuzz(key_set, tmp_path)
-    fuzz = settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    try:
+    with unhandled_errors() as errors:
+        f = Fuzz(key_set, tmp_path)
+        fuzz = cases(examples)
+        try:
 
-        @fuzz
-        @given(request=requests(f.live))
-        def fields(request):
-            f.case(request.SerializeToString())
+            @fuzz
+            @given(request=requests(f.live))
+            def fields(request):
+                f.case(request.SerializeToString())
 
-        @fuzz
-        @given(data=mangled(f.valid))
-        def raw(data):
-            f.case(data)
+            @fuzz
+            @given(data=mangled(f.valid))
+            def raw(data):
+                f.case(data)
 
-        fields()
-        raw()
-    finally:
-        logging.getLogger().removeHandler(catch)
-        f.finish()
-    assert [r.getMessage() for r in errors] == []  # no input reached an unhandled exception
+            fields()
+            raw()
+        finally:
+            f.finish()
+        assert [r.getMessage() for r in errors] == []  # no input reached an unhandled exception
 
 
 def test_five_hundred_fuzzed_generate_requests_get_clear_answers(key_set, tmp_path):

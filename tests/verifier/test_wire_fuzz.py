@@ -10,16 +10,16 @@ The default suite tries 1,000 cases, `slow` 20,000."""
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2 as pb
 from tests.core.fake_backend import FakeBackend
+from tests.fuzzing import cases, unhandled_errors
 from tests.verifier.conftest import Verifier, make_config
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
@@ -134,51 +134,42 @@ class Fuzz:
 
 def fuzz_all(key_set, tmp_path, examples: int) -> int:
     """Run `examples` cases on each of the three calls; returns the count tried."""
-    errors: list[logging.LogRecord] = []
-    catch = logging.Handler(logging.ERROR)
-    catch.emit = errors.append  # gRPC logs a servicer's unhandled exception at ERROR
-    logging.getLogger().addHandler(catch)
-    f = Fuzz(key_set, tmp_path)
-    fuzz = settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    try:
+    with unhandled_errors() as errors:
+        f = Fuzz(key_set, tmp_path)
+        fuzz = cases(examples)
+        try:
 
-        @fuzz
-        @given(data=mutations(f.opens))
-        def opens(data):
-            f.run(f.unary(f.open_call, data))
-            f.unchanged()  # a replayed open is answered without moving the session
-            f.cases += 1
+            @fuzz
+            @given(data=mutations(f.opens))
+            def opens(data):
+                f.run(f.unary(f.open_call, data))
+                f.unchanged()  # a replayed open is answered without moving the session
+                f.cases += 1
 
-        @fuzz
-        @given(data=st.binary(max_size=200) | mutations(f.closes))
-        def closes(data):
-            # the live session's own close is the one input that may act: left out
-            if data == f.closes[0]:
-                return
-            f.run(f.unary(f.close_call, data))
-            f.unchanged()
-            f.cases += 1
+            @fuzz
+            @given(data=st.binary(max_size=200) | mutations(f.closes))
+            def closes(data):
+                # the live session's own close is the one input that may act: left out
+                if data == f.closes[0]:
+                    return
+                f.run(f.unary(f.close_call, data))
+                f.unchanged()
+                f.cases += 1
 
-        @fuzz
-        @given(messages=st.lists(mutations(f.messages), min_size=1, max_size=4))
-        def rounds(messages):
-            f.run(f.stream(messages))
-            f.unchanged()  # a replayed request gets its stored result; nothing else acts
-            f.cases += 1
+            @fuzz
+            @given(messages=st.lists(mutations(f.messages), min_size=1, max_size=4))
+            def rounds(messages):
+                f.run(f.stream(messages))
+                f.unchanged()  # a replayed request gets its stored result; nothing else acts
+                f.cases += 1
 
-        opens()
-        closes()
-        rounds()
-    finally:
-        logging.getLogger().removeHandler(catch)
-        f.finish()
-    assert [r.getMessage() for r in errors] == []  # no input reached an unhandled exception
-    return f.cases
+            opens()
+            closes()
+            rounds()
+        finally:
+            f.finish()
+        assert [r.getMessage() for r in errors] == []  # no input reached an unhandled exception
+        return f.cases
 
 
 def test_a_thousand_fuzzed_inputs_get_clear_answers_and_change_nothing(key_set, tmp_path):
