@@ -435,26 +435,35 @@ class Tls(_Strict):
 API_KEY_MIN_CHARS = 16
 
 
+def check_api_key(key: str) -> None:
+    """ValueError unless `key` is visible ASCII (it travels in an HTTP header) and long
+    enough not to guess; the message never quotes the key."""
+    bad = [c for c in key if not "!" <= c <= "~"]
+    if len(key) < API_KEY_MIN_CHARS or bad:
+        what = (
+            f"a {'space' if bad[0] == ' ' else 'character outside visible ASCII'}"
+            if bad
+            else f"{len(key)} characters"
+        )
+        raise ValueError(
+            f"has {what}; expected at least {API_KEY_MIN_CHARS} visible ASCII characters, "
+            "no spaces (`python -c 'import secrets; print(secrets.token_urlsafe(32))'` "
+            "makes one)"
+        )
+
+
 def _check_api_keys(value: object) -> object:
-    """Each key: visible ASCII (it travels in an HTTP header), long enough not to guess.
-    No message quotes a key (`load_config` hides the values of http.api_keys too)."""
+    """Each key as `check_api_key` wants it. No message quotes a key (`load_config` hides
+    the values of http.api_keys too)."""
     if not isinstance(value, list):
         raise ValueError(f"expected a list of key strings, got a {type(value).__name__}")
     for i, key in enumerate(value):
         if not isinstance(key, str):
             raise ValueError(f"key {i}: expected a string, got a {type(key).__name__}")
-        bad = [c for c in key if not "!" <= c <= "~"]
-        if len(key) < API_KEY_MIN_CHARS or bad:
-            what = (
-                f"a {'space' if bad[0] == ' ' else 'character outside visible ASCII'}"
-                if bad
-                else f"{len(key)} characters"
-            )
-            raise ValueError(
-                f"key {i} has {what}; expected at least {API_KEY_MIN_CHARS} visible ASCII "
-                "characters, no spaces (`python -c 'import secrets; "
-                "print(secrets.token_urlsafe(32))'` makes one)"
-            )
+        try:
+            check_api_key(key)
+        except ValueError as exc:
+            raise ValueError(f"key {i} {exc}") from None
     return value
 
 

@@ -217,12 +217,12 @@ def init_cluster(
 
         refuse_taken(private_paths(directory / "keys" / "tls", names), force)
     if api_key is not None:
-        from cluster_config.schema import _check_api_keys
+        from cluster_config.schema import check_api_key
 
         try:
-            _check_api_keys([api_key])
+            check_api_key(api_key)
         except ValueError as exc:
-            raise RefusedError(f"--api-key: {str(exc).replace('key 0 has', 'it has')}") from exc
+            raise RefusedError(f"--api-key: it {exc}") from exc
     if not 0 <= draft_len <= 64:
         raise RefusedError(f"--draft-len {draft_len} received; expected 0 to 64 (lane.draft_len)")
     from muser_app.cli._common import pair_models
