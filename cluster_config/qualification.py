@@ -473,3 +473,55 @@ def require_receipt(config: ClusterConfig) -> Receipt:
             f"{'; '.join(problems)}; {hint}"
         )
     return receipt
+
+
+def pool_targets(config: ClusterConfig) -> dict[str, ModelBinding]:
+    """Each verifier of the pool ([verifier] and every [[pool]]) by name: the target its
+    receipt, signed by its own key, qualified. QualificationError for a missing, unreadable
+    or wrongly signed receipt, naming the verifier."""
+    from muser import keys
+
+    members = [(config.verifier.name, config.verifier.public_key, config.lane.receipt)] + [
+        (v.name, v.public_key, v.receipt) for v in config.pool
+    ]
+    out: dict[str, ModelBinding] = {}
+    for name, public_path, path in members:
+        receipt = read_receipt(path)
+        public = keys.load_public(public_path)
+        if receipt.verifier_key != keys.key_id(public):
+            raise QualificationError(
+                f"pool verifier {name!r}: its receipt {path} is signed by key "
+                f"{receipt.verifier_key}, not by its key {keys.key_id(public)} ({public_path})"
+            )
+        try:
+            verify_signature(receipt, public)
+        except keys.SignatureError as exc:
+            raise QualificationError(
+                f"pool verifier {name!r}: its receipt {path} was altered after signing ({exc})"
+            ) from exc
+        out[name] = receipt.binding.target
+    return out
+
+
+def check_pool_identity(config: ClusterConfig) -> None:
+    """A pool must be qualified on one target identity (model, tokenizer, vocabulary,
+    architecture, backend, dtype, device kind): two target engines are distinct epochs, and
+    a session moved between them would silently change its distribution. QualificationError
+    naming the verifiers of each identity."""
+    if not config.pool:
+        return
+    targets = pool_targets(config)
+    groups: dict[ModelBinding, list[str]] = {}
+    for name, target in targets.items():
+        groups.setdefault(target, []).append(name)
+    if len(groups) > 1:
+        described = "; ".join(
+            f"{', '.join(map(repr, names))}: model {t.model_digest[:12]}, tokenizer "
+            f"{t.tokenizer_digest[:12]}, {t.architecture}, {t.backend} {t.dtype} on {t.device}"
+            for t, names in groups.items()
+        )
+        raise QualificationError(
+            f"the verifier pool mixes {len(groups)} target identities ({described}); every "
+            "verifier a session may move to must run the same target the same way: remove "
+            "the others from [[pool]] or re-qualify them on one target"
+        )

@@ -346,6 +346,35 @@ def enrolment(config: ClusterConfig, scope: Scope) -> None:
             )
 
 
+def pool_members(config: ClusterConfig, scope: Scope) -> None:
+    """Every [[pool]] verifier's key is enrolled (its results, and resume points signed by
+    it, are taken everywhere) and distinct; the pool is qualified on one target identity
+    (`check_pool_identity`). Checked where the proposer runs: the pool is its list."""
+    from muser import keys
+
+    if not config.pool or "proposer" not in scope:
+        return
+    enrolled = {keys.key_id(keys.load_public(p)) for p in config.enrolment.verifiers}
+    primary = keys.key_id(keys.load_public(config.verifier.public_key))
+    seen: dict[str, str] = {primary: config.verifier.name}
+    for member in config.pool:
+        key_id = keys.key_id(keys.load_public(member.public_key))
+        if key_id not in enrolled:
+            raise ConfigError(
+                f"pool verifier {member.name!r}: its key {key_id} ({member.public_key}) is not "
+                "in enrolment.verifiers; add it there"
+            )
+        if key_id in seen:
+            raise ConfigError(
+                f"pool verifiers {seen[key_id]!r} and {member.name!r} have one key {key_id}: "
+                "each verifier signs with its own key"
+            )
+        seen[key_id] = member.name
+    from cluster_config.qualification import check_pool_identity
+
+    check_pool_identity(config)
+
+
 # --- TLS -------------------------------------------------------------------------------------
 
 
@@ -407,6 +436,7 @@ RULES: tuple[Rule, ...] = (
     wal_directories,
     signing_keys,
     enrolment,
+    pool_members,
     tls_files,
 )
 

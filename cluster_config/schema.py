@@ -84,7 +84,16 @@ def _check_target_backend(value: object) -> object:
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
+"""A verifier's name in a pool: lower-case letters, digits, '-' and '_', 1-32 characters."""
+
+
 class VerifierNode(_Strict):
+    name: str = Field(
+        "verifier",
+        pattern=NAME_PATTERN,
+        description="The verifier's name in the proposer's pool (logs, status, metrics).",
+    )
     address: str = Field(description="HOST:PORT proposers reach the verifier at.")
     bind: str | None = Field(
         None, description="HOST:PORT the verifier's server binds (default: address)."
@@ -135,6 +144,14 @@ class ProposerNode(_Strict):
         description="Snapshot the session journal once this many bytes of segments have "
         "accumulated since the last snapshot (checked as sessions end); the commit log then "
         "drops what the snapshot covers. 0 = never (the journal grows with every request).",
+    )
+    failover_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="With a [[pool]] of other verifiers: seconds a session's verifier may "
+        "stay unreachable (or its open unanswered) before the session moves to the next "
+        "verifier of the pool at a higher epoch. Unused without a pool.",
     )
     journal_retry_s: float = Field(
         5.0,
@@ -432,6 +449,24 @@ class Tls(_Strict):
         return getattr(self, role)
 
 
+class PoolVerifier(_Strict):
+    """Another verifier a proposer may move its sessions to (`[[pool]]`): same target,
+    qualified on the same target identity, its key enrolled."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="Its name (logs, status, metrics).")
+    address: str = Field(description="HOST:PORT the proposer reaches it at.")
+    public_key: FilePath = Field(
+        description="Its public key; it must be in enrolment.verifiers too (results it signs, "
+        "and resume points other verifiers take from it)."
+    )
+    receipt: FilePath = Field(
+        description="Its qualification receipt (signed by its key): the pool refuses a "
+        "verifier qualified on another target identity."
+    )
+
+    _addr = field_validator("address")(_check_address)
+
+
 API_KEY_MIN_CHARS = 16
 
 
@@ -490,7 +525,31 @@ class ClusterConfig(_Strict):
     limits: Limits = Field(default_factory=Limits, description="Resource limits.")
     tls: Tls | None = Field(None, description="Mutual TLS on every channel (default: none).")
     http: Http = Field(default_factory=Http, description="API keys of the HTTP endpoints.")
+    pool: list[PoolVerifier] = Field(
+        default_factory=list,
+        description="Other verifiers the proposer moves a session to when its verifier is "
+        "unreachable past proposer.failover_s (default: none, the [verifier] alone).",
+    )
     path: FilePath | None = Field(None, exclude=True, description="Where this file was read from.")
+
+    @model_validator(mode="after")
+    def _distinct_pool(self) -> ClusterConfig:
+        """Each verifier of the pool has its own name and address."""
+        for what in ("name", "address"):
+            seen = [getattr(self.verifier, what), *(getattr(v, what) for v in self.pool)]
+            twice = sorted({x for x in seen if seen.count(x) > 1})
+            if twice:
+                raise ValueError(
+                    f"the verifier pool names {what} {twice[0]!r} twice; each verifier "
+                    f"([verifier] and every [[pool]]) needs its own {what}"
+                )
+        return self
+
+    def verifiers(self) -> list[tuple[str, str]]:
+        """(name, address) of every verifier the proposer may use, [verifier] first."""
+        return [(self.verifier.name, self.verifier.address)] + [
+            (v.name, v.address) for v in self.pool
+        ]
 
 
 PATH_KEYS = {
@@ -518,6 +577,8 @@ def _resolve(raw: dict, base: Path) -> dict:
     for key, value in raw.items():
         if isinstance(value, dict):
             value = _resolve(value, base)
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            value = [_resolve(v, base) for v in value]  # [[pool]] tables
         elif key in PATH_KEYS:
             value = _absolute(value, base)
         elif key in PATH_LIST_KEYS and isinstance(value, list):

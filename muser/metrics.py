@@ -22,6 +22,7 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_decisions_followed_total          counter    next drafts started on an early decision
     muser_sent_ahead_total                  counter    requests sent on the round before's decision
     muser_ahead_void_total                  counter    of those, voided by a differing result
+    muser_session_moves_total               counter    sessions moved to another pool verifier
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
     muser_rounds_by_draft_len_total{draft_len} counter rounds per draft width D (lane.width)
@@ -54,6 +55,9 @@ Verifier only (rounds of many sessions batched into one target forward):
 Proposer only (rounds of many sessions drafted together, lane.draft_batch):
 
     muser_draft_batch_size                  histogram  rounds drafted per lockstep draft batch
+    muser_sessions_by_verifier{verifier}    gauge      unfinished sessions per pool verifier
+    muser_verifier_fences_total             counter    verifiers a moved session left, told
+                                                       its new epoch (they refuse the old)
 """
 
 from __future__ import annotations
@@ -113,6 +117,10 @@ class DaemonView:
     """Sessions holding target KV now (verifier)."""
     drafting: DraftingStats | None = None
     """The proposer's draft thread (None on the verifier)."""
+    placement: dict[str, int] | None = None
+    """Unfinished sessions by the pool verifier they live on (proposer)."""
+    fences: int = 0
+    """Verifiers a moved session left, told its new epoch (proposer)."""
 
 
 def wal_bytes(directory: Path | None) -> int | None:
@@ -332,6 +340,21 @@ class StatsCollector(Collector):
             )
         yield from _gc_families(heap.WATCH.status())
         yield from _verifier_families(v)
+        if v.placement is not None:
+            placed = GaugeMetricFamily(
+                "muser_sessions_by_verifier",
+                "Unfinished sessions by the pool verifier they live on (proposer).",
+                labels=["verifier"],
+            )
+            for name, n in sorted(v.placement.items()):
+                placed.add_metric([name], float(n))
+            yield placed
+            yield CounterMetricFamily(
+                "muser_verifier_fences",
+                "Verifiers a moved session left, told its new epoch: they refuse the old one "
+                "(proposer).",
+                value=v.fences,
+            )
         if v.drafting is not None:
             yield _size_histogram(
                 "muser_draft_batch_size",
@@ -376,6 +399,12 @@ _LANE_COUNTERS = (
         "Requests journaled and sent on the early decision of the round before them, "
         "ahead of its signed result (proposer, lane.send_on_decision).",
         "sent_ahead",
+    ),
+    (
+        "muser_session_moves",
+        "Sessions moved to another verifier of the pool: unreachable past "
+        "proposer.failover_s, or fenced (proposer).",
+        "moves",
     ),
     (
         "muser_ahead_void",

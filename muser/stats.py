@@ -144,6 +144,8 @@ class LaneStats:
     """Of those, requests voided because the signed result differed from its decision."""
     queue_full_retries: int = 0
     """Rounds re-sent because the verifier's round queue was full (proposer)."""
+    moves: int = 0
+    """Times a session moved to another verifier of the pool (proposer_mac.pool)."""
     speculation_s: float = 0.0
     """Draft-thread wall spent speculating, off the critical path while rounds are away."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
@@ -201,7 +203,7 @@ class LaneStats:
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
             "queue_full_retries", "decisions_followed", "branch_hits", "sent_ahead",
-            "ahead_void",
+            "ahead_void", "moves",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -266,6 +268,7 @@ class LaneStats:
             },
             "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},
             "width": self.width,
+            "moves": self.moves,
         }
 
 

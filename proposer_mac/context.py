@@ -1,10 +1,12 @@
 """What every session's round driver shares (`DriverContext`): the proposer's keys, the
-enrolled verifier keys, the journal, the channel to the verifier and its stub, the one draft
-thread and the lane's speculation settings; and the session calls made outside a round
-(open or re-open, attach a Rounds stream, close)."""
+enrolled verifier keys, the journal, the verifier pool (a channel to each verifier,
+`proposer_mac.pool`), the one draft thread and the lane's speculation settings; and the
+session calls made outside a round (open or re-open, attach a Rounds stream, close), each
+on the verifier the session lives on."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,9 +18,10 @@ from muser.backend import MultiSequenceBackend
 from muser.records import close_message
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
-from muser.wire import muser_v2_pb2_grpc as pb_grpc
+from proposer_mac import journal
 from proposer_mac.draft_queue import DraftQueue
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream
+from proposer_mac.pool import Member, VerifierPool
 from proposer_mac.session import ProposerSession
 
 log = logging.getLogger("muser.proposer")
@@ -38,8 +41,7 @@ class DriverContext:
         private: keys.SigningKey,
         verifiers: dict[str, Ed25519PublicKey],
         log,
-        channel: grpc.aio.Channel,
-        verifier_address: str = "the verifier",
+        pool: VerifierPool,
         speculate: bool = True,
         branches: int = 2,
         batch_with: MultiSequenceBackend | None = None,
@@ -59,35 +61,93 @@ class DriverContext:
         self.branches = branches
         """Greedy: draft it on the first `branches` rejection points too, each with the
         draft's runner-up there (lane.speculate_branches; 0: full acceptance only)."""
-        self.stub = pb_grpc.VerifierStub(channel)
-        self.verifier_address = verifier_address
-        """For messages: where `channel` leads."""
+        self.pool = pool
         self.draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self.drafts = DraftQueue(self.draft_pool, batch_with, on_draft)
 
-    async def open_remote(self, s: ProposerSession) -> None:
-        """Open (or idempotently re-open) the session on the verifier; past genesis the open
-        carries the last committed round, so a verifier without it resumes from it."""
+    def home(self, s: ProposerSession) -> Member:
+        """The verifier the session lives on."""
+        return self.pool.home_of(s.home)
+
+    async def open_remote(self, s: ProposerSession, on: Member | None = None) -> None:
+        """Open (or idempotently re-open) the session on the verifier it lives on (or `on`:
+        a verifier it left, told its epoch); past genesis the open carries the last
+        committed round, so a verifier without it resumes from it. Waits `OPEN_S` for an
+        answer, or proposer.failover_s when the pool has another verifier to move to."""
+        member = on or self.home(s)
         resume, chunks, fragments = s.resume_point()
         body = s.open.signed_message(s.epoch, resume)
         request = convert.open_to_pb(
             s.open, s.epoch, self.private.sign(body), fragments, resume, chunks
         )
+        wait = self.pool.failover_s if self.pool.pooled else OPEN_S
         try:
-            reply = await self.stub.OpenSession(request, wait_for_ready=True, timeout=OPEN_S)
+            reply = await member.stub.OpenSession(request, wait_for_ready=True, timeout=wait)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                where = (
+                    f"verifier {member.name!r} at {member.address}"
+                    if self.pool.pooled
+                    else f"the verifier at {member.address}"
+                )
                 raise LinkDown(
-                    f"open session: no answer from the verifier at {self.verifier_address} "
-                    f"within {OPEN_S} s ({exc.code().name}: {exc.details()}); is it running? "
-                    "(`muser status --config FILE`)"
+                    f"open session: no answer from {where} within {wait:g} s "
+                    f"({exc.code().name}: {exc.details()}); is it running? (`muser status "
+                    "--config FILE`)"
                 ) from exc
             raise RoundRefused(exc.code(), "open", exc.details() or "") from exc
+        if self.pool.pooled and reply.verifier_key_id != member.key_id:
+            raise RoundRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "wrong_verifier",
+                f"the verifier at {member.address} answered with key {reply.verifier_key_id}; "
+                f"pool verifier {member.name!r} is key {member.key_id} ([[pool]] public_key)",
+            )
+        if on is not None:
+            return  # a verifier left: its answer says nothing of whose results to take
+        s.signer = reply.verifier_key_id
         if reply.resumed:
             log.warning(
                 "session %s: verifier %s did not hold round %d; it resumed from this proposer's "
                 "signed round", s.session_id.hex()[:8], reply.verifier_key_id, s.next_round - 1,
             )  # fmt: skip
+
+    def moved(self, s: ProposerSession, to: Member) -> list[bytes]:
+        """Move the session to `to` at the next epoch, in memory: the request in flight
+        signed again at that epoch (a result at the old one is never taken), the request
+        ahead dropped (it went to the verifier left). Returns what the journal must hold
+        before the session is opened there: MOVED, then the request in flight's PREPARED."""
+        epoch = s.epoch + 1
+        s.place(to.name, epoch)
+        s.ahead = None
+        records = [journal.encode_moved(s.session_id, epoch, to.name)]
+        if s.prepared is not None:
+            s.prepared = s.resign(s.prepared, self.private)
+            records.append(journal.encode_prepared(s.session_id, s.next_round, s.prepared))
+        self.pool.moved_to(to.name)
+        return records
+
+    async def fence(self, s: ProposerSession, left: Member) -> None:
+        """Tell a verifier the session left its epoch there (an open at the session's
+        epoch now), so it refuses the old one; retried until it answers, the session ends or
+        it comes back to live there. Best effort: the proposer takes results only from the
+        verifier it lives on, fenced or not."""
+        delay = 0.1
+        while not s.done and s.home != left.name:
+            try:
+                await self.open_remote(s, on=left)
+            except LinkDown:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+                continue
+            except RoundRefused as exc:
+                log.warning("session %s: verifier %r refused its new epoch %d: %s",
+                            s.session_id.hex()[:8], left.name, s.epoch, exc)  # fmt: skip
+                return
+            self.pool.fences += 1
+            log.info("session %s: verifier %r told epoch %d (it refuses epoch %d from now on)",
+                     s.session_id.hex()[:8], left.name, s.epoch, s.epoch - 1)  # fmt: skip
+            return
 
     async def close_remote(self, s: ProposerSession) -> None:
         """Tell the verifier the session is finished so it stops holding it (best effort:
@@ -98,7 +158,7 @@ class DriverContext:
             signature=self.private.sign(close_message(s.session_id, s.epoch)),
         )
         try:
-            await self.stub.CloseSession(request, timeout=10)
+            await self.home(s).stub.CloseSession(request, timeout=10)
         except grpc.aio.AioRpcError as exc:
             log.warning(
                 "session %s: closing it on the verifier failed: %s: %s",
@@ -109,4 +169,4 @@ class DriverContext:
 
     async def attach(self, s: ProposerSession) -> RoundStream:
         await self.open_remote(s)
-        return await RoundStream(self.stub, s.session_id, s.epoch).attach()
+        return await RoundStream(self.home(s).stub, s.session_id, s.epoch).attach()

@@ -26,9 +26,8 @@ import grpc
 
 from cluster_config import ClusterConfig
 from cluster_config.schema import Lane
-from muser import keys, tls
+from muser import keys
 from muser.backend import batches
-from muser.channels import channel_options
 from muser.errors import MuserError, RefusedError
 from muser.health import Health
 from muser.records import Identity, RoundResult
@@ -42,6 +41,8 @@ from proposer_mac import journal
 from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Drafter
 from proposer_mac.driver import SessionRunner
+from proposer_mac.link import LinkDown
+from proposer_mac.pool import VerifierPool
 from proposer_mac.session import ProposerSession, SessionFailed
 
 log = logging.getLogger("muser.proposer")
@@ -82,23 +83,13 @@ class ProposerCore:
         """Journal fsyncs; the rounds are each runner's LaneStats (`metrics_view` sums them)."""
         self.log = self._open_journal()
         self._reopening: asyncio.Task | None = None
-        self.channel = tls.open_channel(
-            config.verifier.address,
-            config.tls,
-            "proposer",
-            options=[
-                *channel_options(config.limits),
-                ("grpc.initial_reconnect_backoff_ms", 50),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-            aio=True,
-        )
+        self.pool = VerifierPool.from_config(config)
+        """A channel to each verifier sessions may live on (proposer_mac.pool)."""
         self.context = DriverContext(
             private=self.private,
             verifiers=self.verifiers,
             log=self.log,
-            channel=self.channel,
-            verifier_address=config.verifier.address,
+            pool=self.pool,
             speculate=config.lane.speculate,
             branches=config.lane.speculate_branches,
             send_on_decision=config.lane.send_on_decision,
@@ -211,6 +202,7 @@ class ProposerCore:
         await asyncio.to_thread(self._compacting.acquire)
         self._compacting.release()
         self.log.close()
+        await self.pool.close()
 
     @property
     def tokenizer(self):
@@ -323,12 +315,21 @@ class ProposerCore:
                 js.draft_len,
                 session_width(self.config.lane, js.draft_len),
             )
+            session.homes = list(js.homes)
+            session.home = js.homes[-1] if js.homes else None
             for signed in js.committed:
                 result = RoundResult.decode(signed.body)
                 session.apply(result)
                 session.last_result = signed
                 session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
             session.prepared, session.ahead = js.prepared, js.ahead
+            if not js.done and session.home is not None and session.home not in self.pool.members:
+                # its verifier left the cluster file: it moves to one there before it resumes
+                to = self.pool.members[self.pool.current]
+                self.log.append_many(self.context.moved(session, to))
+                log.warning("session %s lived on verifier %r, which [[pool]] no longer lists; "
+                            "moved to %r at epoch %d", sid.hex()[:8], session.homes[-2], to.name,
+                            session.epoch)  # fmt: skip
             # a failed one is not done: a client that reconnects gets its tokens, then why
             session.done = session.done or (js.done and js.failed is None)
             runner = self._runner(session)
@@ -445,11 +446,13 @@ class ProposerCore:
         from the start when its caller `left`). An open the verifier refuses or never
         answers journals FAILED behind the OPEN, so no restart resumes a session whose client
         was told it failed."""
-        await self.log.append_async(
-            journal.encode_open(session.open, session.epoch, prompt, draft_len, detached)
-        )
+        records = [journal.encode_open(session.open, session.epoch, prompt, draft_len, detached)]
+        if self.pool.pooled:  # where it lives, journaled before it is opened there
+            session.place(self.pool.current, session.epoch)
+            records.append(journal.encode_moved(session.session_id, session.epoch, session.home))
+        await self.log.append_many_async(records)
         try:
-            await self.context.open_remote(session)
+            await self._open_in_pool(session)
         except Exception as exc:
             sid = session.session_id.hex()[:8]
             try:
@@ -463,10 +466,31 @@ class ProposerCore:
             raise
         runner = self._runner(session)
         runner.detached = detached
+        runner.fence_left()
         if left.is_set():
             runner.cancel()
         self._start(runner)
         return runner
+
+    async def _open_in_pool(self, session: ProposerSession) -> None:
+        """Open the session where it lives; when that verifier does not answer within
+        proposer.failover_s, move it to the next one of the pool (MOVED durable first) and
+        open it there, until every verifier was tried once."""
+        for tries_left in range(len(self.pool.order) - 1, -1, -1):
+            try:
+                await self.context.open_remote(session)
+                return
+            except LinkDown as exc:
+                if not tries_left:
+                    raise
+                left = self.context.home(session)
+                to = self.pool.next_after(session.home)
+                await self.log.append_many_async(self.context.moved(session, to))
+                log.warning(
+                    "session %s: verifier %r did not answer its open (%s); moved to %r at "
+                    "epoch %d", session.session_id.hex()[:8], left.name, exc, to.name,
+                    session.epoch,
+                )  # fmt: skip
 
 
 SERVICE = "muser.v2.Proposer"

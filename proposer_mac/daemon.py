@@ -36,7 +36,7 @@ async def ask_target_identity(core: ProposerCore, timeout: float = 60.0) -> Iden
     address = core.config.verifier.address
     log.info("verifier.target is not on this machine: asking the verifier at %s", address)
     try:
-        reply = await core.context.stub.Status(
+        reply = await core.pool.members[core.pool.current].stub.Status(
             pb.StatusRequest(), timeout=timeout, wait_for_ready=True
         )
         t = json.loads(reply.json)["target"]

@@ -57,7 +57,7 @@ from proposer_mac import journal
 from proposer_mac.ahead import DraftingAhead, look_ahead
 from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Draft, Drafter
-from proposer_mac.link import LinkDown, RoundRefused, RoundStream
+from proposer_mac.link import LinkDown, RoundRefused, RoundStream, fenced
 from proposer_mac.send_ahead import SendAhead
 from proposer_mac.session import ProposerSession, SessionFailed
 from proposer_mac.speculating import Speculating
@@ -131,6 +131,7 @@ class SessionRunner:
 
     async def _run(self) -> None:
         loop = _Loop(start=time.perf_counter() - self.stats.wall_s)
+        self.fence_left()  # (after a restart: the verifiers it left may not have heard)
         try:
             await self._drive(loop)
         except Exception as exc:  # a failed session is reported to its clients, not lost
@@ -218,6 +219,14 @@ class SessionRunner:
             )
             t1 = time.perf_counter()
         except LinkDown as exc:
+            if loop.stream is not None:
+                loop.stream.close()
+            loop.stream = None
+            now = time.monotonic()
+            loop.down_since = loop.down_since or now
+            if self.core.pool.pooled and now - loop.down_since >= self.core.pool.failover_s:
+                await self._move(loop, f"unreachable for {now - loop.down_since:.1f} s: {exc}")
+                return None
             log.warning(
                 "session %s round %d: %s; reconnecting in %.2fs",
                 s.session_id.hex()[:8],
@@ -225,12 +234,15 @@ class SessionRunner:
                 exc,
                 loop.backoff,
             )
-            if loop.stream is not None:
-                loop.stream.close()
-            loop.stream = None
             await self._back_off(loop, loop.backoff)
             return None
         except RoundRefused as exc:
+            if fenced(exc) and self.core.pool.pooled:
+                if loop.stream is not None:
+                    loop.stream.close()
+                loop.stream = None
+                await self._move(loop, f"fenced: {exc}")
+                return None
             if exc.reason != QUEUE_FULL:
                 raise
             # nothing was written there: the same request goes again, on the same stream
@@ -244,8 +256,40 @@ class SessionRunner:
             self.stats.queue_full_retries += 1
             await self._back_off(loop, delay)
             return None
-        loop.backoff = 0.05
+        loop.backoff, loop.down_since = 0.05, None
         return signed, raw, t0, t1
+
+    async def _move(self, loop: _Loop, why: str) -> None:
+        """Move the session to the next verifier of the pool (proposer_mac.pool): nothing
+        goes ahead any more on the stream left, MOVED and the request in flight signed at
+        the new epoch are durable before the open there, and the verifier left is told the
+        new epoch in the background (`DriverContext.fence`)."""
+        s, core = self.session, self.core
+        if self.send_ahead.sending is not None:  # its PREPARED lands before MOVED
+            sending, self.send_ahead.sending = self.send_ahead.sending, None
+            sending.cancel()
+            await asyncio.wait([sending])
+        if loop.checked is not None:  # (none is pending while a request is in flight)
+            await self._commit(loop.checked)
+            loop.checked = None
+        left = core.home(s)
+        to = core.pool.next_after(s.home)
+        await core.log.append_many_async(core.moved(s, to))
+        loop.on_wire, loop.down_since, loop.backoff = None, None, 0.05
+        self.stats.moves += 1
+        log.warning(
+            "session %s round %d: moved from verifier %r to %r at epoch %d (%s)",
+            s.session_id.hex()[:8], s.next_round, left.name, to.name, s.epoch, why,
+        )  # fmt: skip
+        self.fence_left()
+
+    def fence_left(self) -> None:
+        """Tell every verifier the session left its epoch now (`DriverContext.fence`)."""
+        s = self.session
+        for name in dict.fromkeys(s.homes[:-1]):
+            member = self.core.pool.member(name)
+            if member is not None and name != s.home:
+                in_background(self.core.fence(s, member), f"fencing verifier {name!r}", log)
 
     @staticmethod
     async def _back_off(loop: _Loop, delay: float) -> None:
@@ -468,6 +512,9 @@ class _Loop:
     """The request in flight when it is already on `stream` (sent ahead)."""
     backoff: float = 0.05
     """Seconds before the next reconnect or re-send; doubles to 1 s, reset on success."""
+    down_since: float | None = None
+    """When (time.monotonic) the verifier stopped answering this session; None while it
+    answers. Past proposer.failover_s the session moves (`SessionRunner._move`)."""
     draft_s: float = 0.0
     """Seconds the round in flight waited for its draft."""
     round_start: float = field(default_factory=time.perf_counter)

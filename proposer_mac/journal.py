@@ -9,6 +9,9 @@ Entries (canonical, domain "proposer-journal"; a tag byte first):
     COMMITTED  round, Signed(RoundResult)  — journaled and fsynced before any token is emitted
     DONE       session finished (max tokens or a stop token)
     FAILED     session failed (why, as its client was told): finished, never resumed
+    MOVED      the session lives on the pool verifier named here from this epoch on: once
+               when it opens (epoch 1), then each time it moves (a higher epoch); journaled
+               before the open there, with the request in flight signed again at that epoch
 
 Replaying the journal rebuilds every session: transcript, head, MT state, the request still
 in flight (re-sent byte for byte on restart; the verifier answers it from its WAL).
@@ -45,15 +48,17 @@ from muser.records import (
 )
 
 DOMAIN = "proposer-journal"
-SNAPSHOT_DOMAIN = "proposer-journal-snapshot-3"
+SNAPSHOT_DOMAIN = "proposer-journal-snapshot-4"
+"""4: each session names the pool verifiers it lived on (MOVED), its home last."""
+SNAPSHOT_DOMAIN_3 = "proposer-journal-snapshot-3"
 """3: each session says whether its client can reconnect (DETACHED)."""
 SNAPSHOT_DOMAIN_2 = "proposer-journal-snapshot-2"
 """2: each session keeps the request journaled ahead of its round in flight, too."""
 SNAPSHOT_DOMAIN_1 = "proposer-journal-snapshot"
 """The snapshot before requests went ahead: still read."""
-SNAPSHOT_DOMAINS = (SNAPSHOT_DOMAIN, SNAPSHOT_DOMAIN_2, SNAPSHOT_DOMAIN_1, None)
+SNAPSHOT_DOMAINS = (SNAPSHOT_DOMAIN, SNAPSHOT_DOMAIN_3, SNAPSHOT_DOMAIN_2, SNAPSHOT_DOMAIN_1, None)
 """The snapshots this interpreter reads (None: not a canonical record, refused by name)."""
-OPEN, PREPARED, COMMITTED, DONE, FAILED, DETACHED = 1, 2, 3, 4, 5, 6
+OPEN, PREPARED, COMMITTED, DONE, FAILED, DETACHED, MOVED = 1, 2, 3, 4, 5, 6, 7
 OPENS = (OPEN, DETACHED)
 
 
@@ -88,6 +93,12 @@ def encode_failed(session_id: bytes, reason: str) -> bytes:
     return Writer(DOMAIN).u32(FAILED).raw(session_id, 16).text(reason).bytes()
 
 
+def encode_moved(session_id: bytes, epoch: int, verifier: str) -> bytes:
+    """The session lives on pool verifier `verifier` from `epoch` on (journaled before it
+    is opened there)."""
+    return Writer(DOMAIN).u32(MOVED).raw(session_id, 16).u64(epoch).text(verifier).bytes()
+
+
 @dataclass
 class JournaledSession:
     open: SessionOpen
@@ -104,6 +115,9 @@ class JournaledSession:
     """Why it failed (FAILED), if it did; it is then done too."""
     detached: bool = False
     """Its client cannot reconnect (DETACHED): a restart ends it, never resumes it."""
+    homes: list[str] = field(default_factory=list)
+    """The pool verifiers it lived on, in order (MOVED), where it lives now last; empty for
+    a session journaled before pools (it lives on [verifier])."""
 
 
 def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
@@ -134,6 +148,14 @@ def replay(payloads, base: dict[bytes, JournaledSession] | None = None):
                     raise ValueError(f"journal: round {round_} committed after {len(s.committed)}")
                 s.committed.append(signed)
                 s.prepared, s.ahead = next_in_flight(s.ahead, signed), None
+        elif tag == MOVED:
+            s, epoch, home = sessions[r.raw(16)], r.u64(), r.text()
+            if epoch < s.epoch:
+                raise ValueError(f"journal: moved to epoch {epoch} below epoch {s.epoch}")
+            # the request ahead went to the verifier left; the one in flight follows, signed
+            # again at this epoch (its PREPARED comes next)
+            s.epoch, s.ahead = epoch, None
+            s.homes.append(home)
         elif tag == DONE:
             sessions[r.raw(16)].done = True
         elif tag == FAILED:
@@ -177,14 +199,16 @@ def snapshot_of(sessions: dict[bytes, JournaledSession], keep_finished: int) -> 
         w.blob(s.prepared.encode() if s.prepared is not None else b"")
         w.blob(s.ahead.encode() if s.ahead is not None else b"").u32(int(s.done))
         w.u32(int(s.detached))
+        w.blobs(home.encode() for home in s.homes)
     return w.bytes()
 
 
 def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
-    version = {SNAPSHOT_DOMAIN: 3, SNAPSHOT_DOMAIN_2: 2, SNAPSHOT_DOMAIN_1: 1}.get(
-        domain_of(data) or "", 3
+    domains = {4: SNAPSHOT_DOMAIN, 3: SNAPSHOT_DOMAIN_3, 2: SNAPSHOT_DOMAIN_2, 1: SNAPSHOT_DOMAIN_1}
+    version = {d: v for v, d in domains.items()}.get(
+        domain_of(data) or "", 4
     )  # an unknown domain is refused by name by the newest reader
-    r = Reader(data, {3: SNAPSHOT_DOMAIN, 2: SNAPSHOT_DOMAIN_2, 1: SNAPSHOT_DOMAIN_1}[version])
+    r = Reader(data, domains[version])
     ahead = version >= 2
     sessions: dict[bytes, JournaledSession] = {}
     for _ in range(r.u32()):
@@ -205,6 +229,13 @@ def decode_snapshot(data: bytes) -> dict[bytes, JournaledSession]:
         if detached > 1:
             raise RefusedError(f"journal snapshot: detached flag must be 0 or 1, got {detached}")
         s.detached = bool(detached)
+        if version >= 4:
+            try:
+                s.homes = [home.decode() for home in r.blobs()]
+            except UnicodeDecodeError as exc:
+                raise RefusedError(
+                    f"journal snapshot: a verifier name is not UTF-8: {exc}"
+                ) from None
         if open_.session_id in sessions:
             raise RefusedError(f"journal snapshot: session {open_.session_id.hex()} twice")
         sessions[open_.session_id] = s
@@ -236,6 +267,13 @@ def describe(payload: bytes) -> dict:
         else:
             out["request_digest"] = RoundRequest.decode(signed.body).digest().hex()
         return out
+    if tag == MOVED:
+        return {
+            "entry": "moved",
+            "session": r.raw(16).hex(),
+            "epoch": r.u64(),
+            "verifier": r.text(),
+        }
     if tag == DONE:
         return {"entry": "done", "session": r.raw(16).hex()}
     if tag == FAILED:

@@ -42,6 +42,12 @@ class RoundRefused(MuserError):
         self.code, self.reason, self.detail = code, reason, message
 
 
+def fenced(exc: RoundRefused) -> bool:
+    """The verifier refused the session's epoch as stale: it holds the session at a higher
+    one (in-band, or as an attach's or an open's status, whose details lead with the reason)."""
+    return exc.reason == "stale_epoch" or exc.detail.startswith("stale_epoch:")
+
+
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED,

@@ -40,7 +40,36 @@ def metrics_view(core: ProposerCore) -> DaemonView:
         wal_dir=core.log.directory,
         now=core.stats.clock(),
         drafting=core.context.drafts.stats,
+        placement=placement(core),
+        fences=core.pool.fences,
     )
+
+
+def placement(core: ProposerCore) -> dict[str, int]:
+    """Unfinished sessions by the pool verifier they live on (every verifier listed)."""
+    out = dict.fromkeys(core.pool.order, 0)
+    for r in core.runners.values():
+        if not r.session.done and r.error is None:
+            home = r.session.home or core.pool.order[0]
+            out[home] = out.get(home, 0) + 1
+    return out
+
+
+def sessions_table(core: ProposerCore, limit: int = 100) -> list[dict]:
+    """Where each unfinished session lives, at which epoch, and how often it moved (the
+    `limit` most recently opened)."""
+    rows = [
+        {
+            "session": r.session.session_id.hex(),
+            "verifier": r.session.home or core.pool.order[0],
+            "epoch": r.session.epoch,
+            "moves": r.session.moves,
+            "tokens": len(r.session.emitted),
+        }
+        for r in core.runners.values()
+        if not r.session.done and r.error is None
+    ]
+    return rows[-limit:]
 
 
 class ProposerServicer(pb_grpc.ProposerServicer):
@@ -104,10 +133,11 @@ class ProposerServicer(pb_grpc.ProposerServicer):
 
     async def Status(self, request, context):
         core = self.core
+        view = metrics_view(core)
         body = {
             "role": "proposer",
             "key_id": core.key_id,
-            **status_fields(metrics_view(core)),
+            **status_fields(view),
             "active": sum(1 for r in core.runners.values() if not r.session.done),
             # "mlx:gpu", "mlx:cpu", "torch:cpu": where the draft runs, as loaded (never assumed)
             "draft_device": getattr(core.draft, "device_label", "unknown"),
@@ -121,6 +151,18 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 "waiting": core.context.drafts.waiting,
             },
             "verifier": core.config.verifier.address,
+            # where sessions live (proposer_mac.pool): each verifier, moves, fences, sessions
+            "pool": {
+                "verifiers": [
+                    {"name": m.name, "address": m.address, "key_id": m.key_id}
+                    for m in core.pool.members.values()
+                ],
+                "current": core.pool.current,
+                "placement": placement(core),
+                "moves": view.lane.moves,
+                "fences": core.pool.fences,
+                "sessions": sessions_table(core),
+            },
         }
         return pb.StatusResponse(
             role="proposer", key_id=core.key_id, sessions=len(core.runners), json=json.dumps(body)

@@ -9,6 +9,7 @@ and the head chain. Anything else is refused and never emitted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,14 @@ class ProposerSession:
     """The last round's signed result, once COMMITTED is journaled: the resume point an open
     carries, so a verifier that does not hold it (another node, a lost commit log) can go on
     from it."""
+    home: str | None = None
+    """The pool verifier it lives on (journaled MOVED; None: [verifier], for a session
+    journaled before pools)."""
+    homes: list[str] = field(default_factory=list)
+    """Every pool verifier it lived on, in order (its home last)."""
+    signer: str | None = None
+    """The key id of the verifier that answered its last open: the only key whose results
+    it takes (a result another verifier signed for one of its rounds is refused)."""
     _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
     """The last result check_result passed and the MT state after it."""
 
@@ -236,6 +245,11 @@ class ProposerSession:
         except RefusedError as exc:
             raise ResultRejected(f"result is not a canonical round result: {exc}") from exc
         key = verifiers.get(result.verifier_key_id)
+        if self.signer is not None and result.verifier_key_id != self.signer:
+            raise ResultRejected(
+                f"result signed by verifier key {result.verifier_key_id!r}; the session lives "
+                f"on the verifier with key {self.signer!r} (epoch {self.epoch})"
+            )
         if key is None:
             raise ResultRejected(
                 f"result signed by key {result.verifier_key_id!r}, which is not an enrolled "
@@ -293,6 +307,22 @@ class ProposerSession:
                 f"decode round asked for {request.decode_len} tokens (ending early only at a "
                 f"stop token {list(stops)}); the result emits {emitted}"
             )
+
+    @property
+    def moves(self) -> int:
+        """Times it moved to another verifier (its first placement is not a move)."""
+        return max(0, len(self.homes) - 1)
+
+    def place(self, home: str, epoch: int) -> None:
+        """It lives on `home` from `epoch` on (as MOVED journals it)."""
+        self.home, self.epoch = home, epoch
+        self.homes.append(home)
+        self.signer = None  # the next open says whose results it takes
+
+    def resign(self, signed: Signed, private: keys.SigningKey) -> Signed:
+        """The request `signed`, the same in all but its epoch: the session's now (a move)."""
+        request = dataclasses.replace(request_of(signed), epoch=self.epoch)
+        return Signed.of(request, private.sign)
 
     def forget_draws(self) -> None:
         """The session ended: nothing more is drawn, so drop the draw caches its MT state

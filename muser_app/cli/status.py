@@ -1,7 +1,10 @@
 """`muser status --config FILE [--wait S] [--json]`: health and statistics of both daemons.
 
 Exit 0 when both daemons answer the standard gRPC health check with SERVING (waiting up to
---wait seconds for that), 1 when either does not. The statistics come from each daemon's
+--wait seconds for that), 1 when either does not; with a [[pool]], each pool verifier is
+probed too, and one verifier serving is enough (sessions move off the others). The
+proposer's lines say where its sessions live: per verifier, and each session's verifier,
+epoch and moves. The statistics come from each daemon's
 Status RPC (its JSON carries the `muser.metrics.status_fields`), so this works remotely:
 sessions, acceptance, tokens/s over the last minute, WAL bytes on disk, fsync p50/p99, and
 the Python collector's frozen objects and pauses (`muser.heap`).
@@ -76,7 +79,14 @@ def run(args: argparse.Namespace) -> int:
             "verifier": probe(config.verifier.address, "verifier", tls=config.tls),
             "proposer": probe(config.proposer.address, "proposer", tls=config.tls),
         }
-        healthy = all(r["serving"] for r in report.values())
+        pool = {v.name: probe(v.address, "verifier", tls=config.tls) for v in config.pool}
+        if pool:
+            report["pool"] = pool
+        verifiers = [report["verifier"], *pool.values()]
+        # with a pool, sessions move off a verifier that is down: one serving is enough
+        healthy = report["proposer"]["serving"] and (
+            any(r["serving"] for r in verifiers) if pool else report["verifier"]["serving"]
+        )
         if healthy or time.monotonic() >= deadline:
             break
         time.sleep(0.25)
@@ -84,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        for role in ("verifier", "proposer"):
-            r = report[role]
+        rows = [("verifier", report["verifier"])]
+        rows += [(f"pool {name}", r) for name, r in report.get("pool", {}).items()]
+        for role, r in [*rows, ("proposer", report["proposer"])]:
             print(f"{role:<9} {r['address']:<22} {state_line(r)}")
             for line in summary(r.get("status", {})):
                 print(f"  {line}")
@@ -137,6 +148,29 @@ def _cpus(cpus: list[int] | None) -> str:
     return ", CPUs " + " ".join(map(str, cpus)) if cpus else ""
 
 
+def pool_lines(pool: dict, limit: int = 20) -> list[str]:
+    """Where the proposer's sessions live: per verifier, then each session (its verifier,
+    epoch and moves; the first `limit`)."""
+    if len(pool.get("verifiers") or []) < 2:
+        return []  # one verifier: nothing can move
+    placed = pool.get("placement") or {}
+    lines = [
+        "pool "
+        + ", ".join(f"{name} {n} session(s)" for name, n in placed.items())
+        + f"; new sessions open on {pool.get('current')}; moves {pool.get('moves', 0)}, "
+        f"fences {pool.get('fences', 0)}"
+    ]
+    sessions = pool.get("sessions") or []
+    for row in sessions[:limit]:
+        lines.append(
+            f"  session {row['session'][:16]} on {row['verifier']} epoch {row['epoch']} "
+            f"moved {row['moves']}x, {row['tokens']} tokens"
+        )
+    if len(sessions) > limit:
+        lines.append(f"  ... and {len(sessions) - limit} more (--json lists them)")
+    return lines
+
+
 def summary(status: dict) -> list[str]:
     """The human lines of one daemon's Status JSON."""
     if not status:
@@ -183,6 +217,7 @@ def summary(status: dict) -> list[str]:
         lines.append(f"verifier-only ceiling {status['verifier_ceiling_tok_s']:.1f} tokens/s")
     if refusals:
         lines.append("refusals " + ", ".join(f"{k} {v}" for k, v in sorted(refusals.items())))
+    lines += pool_lines(status.get("pool") or {})
     gc = status.get("gc") or {}
     if gc.get("watched"):
         passes = "/".join(str(n) for n in gc["collections"])

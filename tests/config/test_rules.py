@@ -124,7 +124,7 @@ async def test_draft_dtype_takes_effect(cluster_file):
         assert core.draft.dtype == "bfloat16"
         assert str(next(core.draft._model.parameters()).dtype) == "torch.bfloat16"
     finally:
-        await core.channel.close()
+        await core.pool.close()
         core.log.close()
 
 

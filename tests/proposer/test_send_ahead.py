@@ -175,7 +175,7 @@ async def test_snapshots_keep_the_request_ahead_and_old_snapshots_still_read(key
     assert journal.decode_snapshot(w.bytes()) == {sid: s} and not s.detached
     detached = {sid: dataclasses.replace(s, detached=True)}
     assert journal.decode_snapshot(journal.snapshot_of(detached, 10)) == detached
-    with pytest.raises(RefusedError, match="proposer-journal-snapshot-3"):
+    with pytest.raises(RefusedError, match="proposer-journal-snapshot-4"):
         journal.decode_snapshot(Writer("something-else").bytes())
 
 
