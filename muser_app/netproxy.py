@@ -1,5 +1,5 @@
-"""A loopback TCP proxy that can cut every live connection, silence them, and inject a
-round-trip delay.
+"""A loopback TCP proxy that can cut every live connection, silence them, part the network
+(silence them and answer no new one), and inject a round-trip delay.
 
 Used by the crash tests (cut the proposer↔verifier link mid-stream, or silence it as a
 peer that lost power would) and by the bench harness (an injected RTT between the daemons).
@@ -26,6 +26,8 @@ class TcpProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._silenced: set[asyncio.StreamWriter] = set()
         """Writers of silenced connections: what is read for them is dropped."""
+        self._parted = False
+        """A partition (`partition`): new connections are taken and never answered."""
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True, name="tcp-proxy")
 
@@ -90,6 +92,14 @@ class TcpProxy:
             writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._parted:  # taken, then nothing answers: a host across a partition
+            try:
+                while await reader.read(65536):
+                    pass
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            writer.close()
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
@@ -133,6 +143,25 @@ class TcpProxy:
             return len(self._writers)
 
         return self._call(_silence)
+
+    def partition(self) -> int:
+        """Part the network: every live connection goes silent (`silence`), and new ones
+        are taken but never answered, until `heal`. Returns how many were silenced."""
+
+        def _part() -> int:
+            self._parted = True
+            self._silenced |= self._writers
+            return len(self._writers)
+
+        return self._call(_part)
+
+    def heal(self) -> None:
+        """End a partition: new connections are forwarded again (the silenced stay so)."""
+
+        def _heal() -> None:
+            self._parted = False
+
+        self._call(_heal)
 
     def _call(self, fn):
         done = threading.Event()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -29,6 +30,10 @@ log = logging.getLogger("muser.proposer")
 
 OPEN_S = 30
 """Seconds a session open waits for the verifier (its channel reconnecting meanwhile)."""
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""An open's or a close's answers that mean "no answer yet": tried again."""
+FENCE_S = 600
+"""Seconds a verifier a session left is tried, to tell it the new epoch (`fence`)."""
 
 
 class DriverContext:
@@ -84,7 +89,7 @@ class DriverContext:
         try:
             reply = await member.stub.OpenSession(request, wait_for_ready=True, timeout=wait)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() in RETRY_CODES:
                 where = (
                     f"verifier {member.name!r} at {member.address}"
                     if self.pool.pooled
@@ -129,14 +134,23 @@ class DriverContext:
 
     async def fence(self, s: ProposerSession, left: Member) -> None:
         """Tell a verifier the session left its epoch there (an open at the session's
-        epoch now), so it refuses the old one; retried until it answers, the session ends or
-        it comes back to live there. Best effort: the proposer takes results only from the
-        verifier it lives on, fenced or not."""
-        delay = 0.1
-        while not s.done and s.home != left.name:
+        epoch now), so it refuses the old one; retried until it answers, the session comes
+        back to live there, or FENCE_S passed. A session that ended meanwhile is then closed
+        there too. Best effort: the proposer takes results only from the verifier it lives
+        on, fenced or not."""
+        delay, give_up = 0.1, time.monotonic() + FENCE_S
+        while s.home != left.name:
             try:
-                await self.open_remote(s, on=left)
+                if s.done:  # (a finished session cannot be resumed there: closed instead)
+                    await self.close_remote(s, on=left, retried=True)
+                else:
+                    await self.open_remote(s, on=left)
             except LinkDown:
+                if time.monotonic() > give_up:
+                    log.warning("session %s: verifier %r was not told epoch %d in %d s; it "
+                                "refuses nothing until then", s.session_id.hex()[:8], left.name,
+                                s.epoch, FENCE_S)  # fmt: skip
+                    return
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
                 continue
@@ -145,21 +159,37 @@ class DriverContext:
                             s.session_id.hex()[:8], left.name, s.epoch, exc)  # fmt: skip
                 return
             self.pool.fences += 1
-            log.info("session %s: verifier %r told epoch %d (it refuses epoch %d from now on)",
-                     s.session_id.hex()[:8], left.name, s.epoch, s.epoch - 1)  # fmt: skip
+            log.info("session %s: verifier %r told epoch %d (%s)", s.session_id.hex()[:8],
+                     left.name, s.epoch, "closed there" if s.done else "it refuses the epoch "
+                     "before from now on")  # fmt: skip
             return
 
-    async def close_remote(self, s: ProposerSession) -> None:
+    async def close_remote(
+        self, s: ProposerSession, on: Member | None = None, *, retried: bool = False
+    ) -> None:
         """Tell the verifier the session is finished so it stops holding it (best effort:
-        a finished session that stays open there is only answered from its WAL)."""
+        a finished session that stays open there is only answered from its WAL); or `on`,
+        a verifier it left, which a close at a higher epoch closes too. `retried`: raise
+        LinkDown when it does not answer (the caller tries again) and RoundRefused when it
+        refuses, instead of logging."""
         request = pb.CloseSessionRequest(
             session_id=s.session_id,
             epoch=s.epoch,
             signature=self.private.sign(close_message(s.session_id, s.epoch)),
         )
+        member = on or self.home(s)
         try:
-            await self.home(s).stub.CloseSession(request, timeout=10)
+            if retried:
+                await member.stub.CloseSession(
+                    request, wait_for_ready=True, timeout=self.pool.failover_s
+                )
+            else:
+                await member.stub.CloseSession(request, timeout=10)
         except grpc.aio.AioRpcError as exc:
+            if retried and exc.code() in RETRY_CODES:
+                raise LinkDown(f"close: no answer from verifier {member.name!r}") from exc
+            if retried:
+                raise RoundRefused(exc.code(), "close", exc.details() or "") from exc
             log.warning(
                 "session %s: closing it on the verifier failed: %s: %s",
                 s.session_id.hex()[:8],

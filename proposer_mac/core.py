@@ -466,6 +466,7 @@ class ProposerCore:
             raise
         runner = self._runner(session)
         runner.detached = detached
+        runner.stats.moves += session.moves  # moved before its first round (no answer)
         runner.fence_left()
         if left.is_set():
             runner.cancel()

@@ -57,6 +57,11 @@ class VerifierPool:
             ("grpc.initial_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
+        if config.pool:  # a connect left unanswered (a partition) gives up within ~failover_s,
+            # not gRPC's 20 s, so a verifier a session left is reached soon after it heals
+            options.append(
+                ("grpc.min_reconnect_backoff_ms", max(1000, int(1e3 * config.proposer.failover_s)))
+            )
         members = []
         for (name, address), public in zip(config.verifiers(), publics, strict=True):
             channel = tls.open_channel(address, config.tls, "proposer", options=options, aio=True)

@@ -419,7 +419,10 @@ class SessionManager:
             state = self.state(session_id)
             public = self.proposer_key(state.open.proposer_key_id)
             keys.verify(public, close_message(session_id, epoch), signature, "close")
-            self.check_epoch(state, epoch)
+            if epoch < state.epoch:
+                self.check_epoch(state, epoch)
+            # (a higher epoch: the session moved on to another verifier of its proposer's
+            # pool and ended there; its proposer closes it here, for good)
             await self._journal_close(session_id)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
         in_background(self.compactor.maybe_compact(), "commit log compaction", log)

@@ -30,11 +30,13 @@ from muser.sampling import SamplingParams
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from muser_app.cli.config import free_ports
+from muser_app.netproxy import TcpProxy
 from proposer_mac import journal as pjournal
 from tests.cluster.conftest import Cluster, make_cluster
 from tests.cluster.harness import Daemon
 from tests.cluster.test_crash import (
     Client,
+    _keepalive,
     _prompt,
     assert_wal_verifies,
     resumes_in,
@@ -274,3 +276,91 @@ def test_killing_the_active_verifier_a_hundred_times(tmp_path, fixture_pair, ref
     seen = assert_one_signer_per_round(p)
     assert seen["moves"] >= 100
     _assert_logs_verify(p)
+
+
+def _epochs_held(commit_log: Path) -> tuple[dict[bytes, int], set[bytes]]:
+    """The epoch a verifier's commit log holds each session at (OPEN, EPOCH, RESUME), and
+    the sessions it closed."""
+    from verifier_gx import journal as vjournal
+
+    held: dict[bytes, int] = {}
+    closed: set[bytes] = set()
+    with FileLog(commit_log) as log:
+        for record in log.records(1):
+            entry = vjournal.decode(record.payload)
+            if isinstance(entry, vjournal.CloseEntry):
+                closed.add(entry.session_id)
+            elif isinstance(entry, vjournal.EpochEntry):
+                held[entry.session_id] = entry.epoch
+            elif isinstance(entry, vjournal.OpenEntry | vjournal.ResumeEntry):
+                held[entry.open.session_id] = entry.epoch
+    return held, closed
+
+
+def _attach_refused(address: str, session_id: bytes, epoch: int) -> tuple[grpc.StatusCode, str]:
+    """What the verifier at `address` answers a Rounds stream attaching at `epoch`."""
+    with grpc.insecure_channel(address) as channel:
+        call = pb_grpc.VerifierStub(channel).Rounds(
+            iter([pb.ProposerMessage(attach=pb.Attach(session_id=session_id, epoch=epoch))]),
+            timeout=10,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    return err.value.code(), err.value.details()
+
+
+def test_a_partitioned_verifier_is_left_and_refuses_the_old_epoch_once_reachable(
+    tmp_path, fixture_pair, reference
+):
+    """The network parts between the proposer and the verifier the session lives on (a
+    proxy: live connections go silent, new ones are never answered). The keepalive drops
+    the stream, the open there goes unanswered past failover_s, and the session moves to
+    the next verifier at epoch 2. When the network heals, the verifier left is told the
+    new epoch: its log holds the session at epoch 2, and it refuses epoch 1."""
+    pool = make_pool(tmp_path, fixture_pair, edit=_keepalive(0.5))
+    host, port = pool.cluster.config.verifier.address.rsplit(":", 1)
+    proxy = TcpProxy((host, int(port)))
+    proxy.start()
+    text = pool.cluster.config_path.read_text()
+    old = f'address = "{pool.cluster.config.verifier.address}"'
+    assert text.count(old) == 1
+    pool.cluster.config_path.write_text(
+        text.replace(old, f'address = "127.0.0.1:{proxy.port}"\nbind = "{host}:{port}"')
+    )
+    pool.start()
+    client = Client(pool.cluster.address, _prompt(fixture_pair), PARAMS)
+    try:
+        client.start()
+        assert client.wait_for(40)
+        assert pool.home() == "verifier"
+        assert proxy.partition() >= 1
+        deadline = time.monotonic() + 30
+        while pool.home() == "verifier" and client.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        session = pool.status()["pool"]["sessions"]
+        assert session and session[0]["verifier"] == "b" and session[0]["epoch"] == 2
+        sid = bytes.fromhex(session[0]["session"])
+        assert session[0]["moves"] == 1
+        proxy.heal()
+        client.join(300)
+        assert client.error is None, f"{client.error}\n{pool.cluster.proposer.log_tail()}"
+        assert client.result["tokens"] == reference
+        deadline = time.monotonic() + 30
+        while pool.status()["pool"]["fences"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.status()["pool"]["fences"] == 1
+        # the verifier left (reached at its own address, past the proxy) refuses epoch 1
+        code, details = _attach_refused(f"{host}:{port}", sid, 1)
+        assert code in (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION), details
+        assert "stale" in details or "closed" in details, details
+    finally:
+        pool.stop()
+        proxy.close()
+    # the network healed after the session ended (a connect across a partition waits ~20 s
+    # here): the verifier left closed it (a close at epoch 2), so it takes nothing more
+    held, closed = _epochs_held(tmp_path / "wal/verifier/commit")
+    assert held[sid] == 2 or sid in closed
+    assert _epochs_held(tmp_path / "wal/b/commit")[0][sid] == 2
+    seen = assert_one_signer_per_round(pool)
+    assert seen["moves"] == 1
+    _assert_logs_verify(pool)

@@ -58,6 +58,7 @@ async def start(
     lane=None,
     draft=None,
     proposer=None,
+    edit=None,
     **limits,
 ):
     verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
@@ -77,6 +78,8 @@ async def start(
             "lane": cfg.lane.model_copy(update={"speculate": speculate, **(lane or {})}),
         }
     )
+    if edit is not None:  # the cluster file as the test wants it (a verifier pool, say)
+        cfg = edit(cfg)
     server, port = await create_server(
         cfg,
         draft=draft or FakeBackend(order=1, salt=1),

@@ -148,3 +148,35 @@ def test_request_round_trips_through_canonical_bytes(setup):
     request = RoundRequest.decode(signed_req.body)
     assert request.encode() == signed_req.body
     keys.verify(proposer_key.public_key(), signed_req.body, signed_req.signature, "request")
+
+
+def test_a_result_signed_by_another_enrolled_verifier_than_the_one_that_opened_is_refused(
+    setup,
+):
+    """A pool enrols several verifiers; a session takes results only from the one that
+    answered its open (`signer`): no round is taken from two verifiers."""
+    session, proposer_key, verifier_key, enrolled = setup
+    other = keys.generate()
+    enrolled = {**enrolled, keys.key_id(other.public_key()): other.public_key()}
+    session.signer = keys.key_id(verifier_key.public_key())
+    signed_req, _, _ = honest_round(session, proposer_key, other)
+    _, from_other, _ = honest_round(session, proposer_key, other)
+    with pytest.raises(ResultRejected, match="the session lives on the verifier with key"):
+        session.check_result(signed_req, from_other, enrolled)
+    session.signer = keys.key_id(other.public_key())  # it moved there: now that one's
+    session.check_result(signed_req, from_other, enrolled)
+
+
+def test_a_move_signs_the_request_in_flight_again_at_the_new_epoch_only(setup):
+    """A move re-signs the request in flight at the next epoch: every other field the
+    same; a result at the old epoch then does not check."""
+    session, proposer_key, verifier_key, enrolled = setup
+    signed_req, signed, _ = honest_round(session, proposer_key, verifier_key)
+    session.place("b", 2)
+    again = session.resign(signed_req, proposer_key)
+    old, new = RoundRequest.decode(signed_req.body), RoundRequest.decode(again.body)
+    assert new.encode() == dataclasses.replace(old, epoch=2).encode() and old.epoch == 1
+    keys.verify(proposer_key.public_key(), again.body, again.signature, "request")
+    assert (session.home, session.homes, session.moves, session.signer) == ("b", ["b"], 0, None)
+    with pytest.raises(ResultRejected, match="result epoch is 1, expected 2"):
+        session.check_result(again, signed, enrolled)

@@ -268,3 +268,34 @@ async def test_a_request_ahead_on_a_head_the_result_does_not_carry_is_void(
     replayed = journal.replay(r.payload for r in records)[runner.session.session_id]
     assert replayed.done and len(replayed.committed) == stats.rounds
     assert journal.WalInterpreter().check_chain(records, [], None) is None
+
+
+async def test_a_move_drops_the_request_ahead_and_replays_the_new_epoch_and_home(key_set, tmp_path):
+    """MOVED (proposer_mac.pool): the session's epoch and verifier change, the request
+    journaled ahead (sent to the verifier left) is dropped, the request in flight is the
+    one journaled after MOVED; a MOVED to a lower epoch is refused; snapshots keep where
+    the session lived, and a snapshot from before pools reads with none."""
+    _, records, _ = await run_one(key_set, tmp_path, GREEDY)
+    payloads, i, r = ahead_run(records)
+    sid = next(iter(journal.replay(payloads[:1])))
+    before = journal.replay(payloads[: i + 1])[sid]
+    assert before.ahead is not None and before.homes == []
+    moved = [journal.encode_moved(sid, 1, "verifier"), journal.encode_moved(sid, 3, "b")]
+    again = dataclasses.replace(RoundRequest.decode(before.prepared.body), epoch=3)
+    resigned = Signed(again.encode(), b"\0" * 64)
+    prepared = journal.encode_prepared(sid, r - 1, resigned)
+    after = journal.replay([*payloads[: i + 1], *moved, prepared])[sid]
+    assert (after.epoch, after.homes, after.ahead) == (3, ["verifier", "b"], None)
+    assert after.prepared == resigned
+    assert journal.describe(moved[1]) == {
+        "entry": "moved", "session": sid.hex(), "epoch": 3, "verifier": "b"
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="moved to epoch 2 below epoch 3"):
+        journal.replay([*payloads[: i + 1], *moved, journal.encode_moved(sid, 2, "c")])
+    sessions = journal.replay([*payloads[: i + 1], *moved, prepared])
+    assert journal.decode_snapshot(journal.snapshot_of(sessions, 10)) == sessions
+    s = sessions[sid]  # as snapshot 3 wrote it: no verifiers named
+    w = Writer(journal.SNAPSHOT_DOMAIN_3).u32(1)
+    w.blob(s.open.encode()).u64(s.epoch).u32s(s.prompt).u32(s.draft_len)
+    w.blobs(c.encode() for c in s.committed).blob(s.prepared.encode()).blob(b"").u32(0).u32(0)
+    assert journal.decode_snapshot(w.bytes()) == {sid: dataclasses.replace(s, homes=[])}
