@@ -267,8 +267,10 @@ class SessionRunner:
         s, core = self.session, self.core
         if self.send_ahead.sending is not None:  # its PREPARED lands before MOVED
             sending, self.send_ahead.sending = self.send_ahead.sending, None
-            sending.cancel()
-            await asyncio.wait([sending])
+            await asyncio.wait([sending])  # (its send fails fast: the stream is closed)
+            went = None if sending.cancelled() or sending.exception() else sending.result()
+            if went is not None and went.speculation is not None:
+                went.speculation.drop()  # drafted on a request the move voids
         if loop.checked is not None:  # (none is pending while a request is in flight)
             await self._commit(loop.checked)
             loop.checked = None

@@ -34,15 +34,20 @@ def _prompt(pair):
     return list(tok.encode(natural_prompts(3)[2], add_special_tokens=False))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, fixture_pair):
-    """The uncrashed cluster run."""
+def uncrashed_run(tmp_path_factory, fixture_pair, params: SamplingParams) -> list[int]:
+    """The tokens of an uncrashed run of `params` on the crash tests' prompt (D = 2)."""
     c = make_cluster(tmp_path_factory.mktemp("reference"), fixture_pair, draft_len=2)
     c.start()
     try:
-        return stream_generate(c.address, _prompt(fixture_pair), PARAMS)["tokens"]
+        return stream_generate(c.address, _prompt(fixture_pair), params)["tokens"]
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, fixture_pair):
+    """The uncrashed cluster run."""
+    return uncrashed_run(tmp_path_factory, fixture_pair, PARAMS)
 
 
 class Client(threading.Thread):

@@ -40,6 +40,7 @@ from tests.cluster.test_crash import (
     _prompt,
     assert_wal_verifies,
     resumes_in,
+    uncrashed_run,
 )
 from tests.qualify.receipts import qualified_receipt
 from wal.log import FileLog
@@ -52,14 +53,7 @@ NODES = ("verifier", "b", "c")
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, fixture_pair):
     """The uncrashed run, on a lone verifier."""
-    from muser_app.cli.cluster_client import stream_generate
-
-    c = make_cluster(tmp_path_factory.mktemp("reference"), fixture_pair, draft_len=2)
-    c.start()
-    try:
-        return stream_generate(c.address, _prompt(fixture_pair), PARAMS)["tokens"]
-    finally:
-        c.stop()
+    return uncrashed_run(tmp_path_factory, fixture_pair, PARAMS)
 
 
 @dataclass
