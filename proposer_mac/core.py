@@ -316,7 +316,6 @@ class ProposerCore:
                 session_width(self.config.lane, js.draft_len),
             )
             session.homes = list(js.homes)
-            session.home = js.homes[-1] if js.homes else None
             for signed in js.committed:
                 result = RoundResult.decode(signed.body)
                 session.apply(result)

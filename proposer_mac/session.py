@@ -89,11 +89,8 @@ class ProposerSession:
     """The last round's signed result, once COMMITTED is journaled: the resume point an open
     carries, so a verifier that does not hold it (another node, a lost commit log) can go on
     from it."""
-    home: str | None = None
-    """The pool verifier it lives on (journaled MOVED; None: [verifier], for a session
-    journaled before pools)."""
     homes: list[str] = field(default_factory=list)
-    """Every pool verifier it lived on, in order (its home last)."""
+    """Every pool verifier it lived on, in order (journaled MOVED; its home last)."""
     signer: str | None = None
     """The key id of the verifier that answered its last open: the only key whose results
     it takes (a result another verifier signed for one of its rounds is refused)."""
@@ -313,9 +310,15 @@ class ProposerSession:
         """Times it moved to another verifier (its first placement is not a move)."""
         return max(0, len(self.homes) - 1)
 
+    @property
+    def home(self) -> str | None:
+        """The pool verifier it lives on (None: [verifier], for a session journaled before
+        pools)."""
+        return self.homes[-1] if self.homes else None
+
     def place(self, home: str, epoch: int) -> None:
         """It lives on `home` from `epoch` on (as MOVED journals it)."""
-        self.home, self.epoch = home, epoch
+        self.epoch = epoch
         self.homes.append(home)
         self.signer = None  # the next open says whose results it takes
 
