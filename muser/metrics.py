@@ -58,6 +58,8 @@ Proposer only (rounds of many sessions drafted together, lane.draft_batch):
     muser_sessions_by_verifier{verifier}    gauge      unfinished sessions per pool verifier
     muser_verifier_fences_total             counter    verifiers a moved session left, told
                                                        its new epoch (they refuse the old)
+    muser_fragment_bytes_sent_total         counter    fragment bytes sent to verifiers (opens,
+                                                       missing_fragments answers)
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class DaemonView:
     """Unfinished sessions by the pool verifier they live on (proposer)."""
     fences: int = 0
     """Verifiers a moved session left, told its new epoch (proposer)."""
+    fragment_bytes: int = 0
+    """Fragment bytes sent to verifiers (proposer)."""
 
 
 def wal_bytes(directory: Path | None) -> int | None:
@@ -354,6 +358,11 @@ class StatsCollector(Collector):
                 "Verifiers a moved session left, told its new epoch: they refuse the old one "
                 "(proposer).",
                 value=v.fences,
+            )
+            yield CounterMetricFamily(
+                "muser_fragment_bytes_sent",
+                "Fragment bytes sent to verifiers: opens and missing_fragments answers (proposer).",
+                value=v.fragment_bytes,
             )
         if v.drafting is not None:
             yield _size_histogram(

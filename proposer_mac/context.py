@@ -81,26 +81,23 @@ class DriverContext:
         answer, or proposer.failover_s when the pool has another verifier to move to."""
         member = on or self.home(s)
         resume, chunks, fragments = s.resume_point()
-        body = s.open.signed_message(s.epoch, resume)
-        request = convert.open_to_pb(
-            s.open, s.epoch, self.private.sign(body), fragments, resume, chunks
-        )
-        wait = self.pool.failover_s if self.pool.pooled else OPEN_S
-        try:
-            reply = await member.stub.OpenSession(request, wait_for_ready=True, timeout=wait)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in RETRY_CODES:
-                where = (
-                    f"verifier {member.name!r} at {member.address}"
-                    if self.pool.pooled
-                    else f"the verifier at {member.address}"
-                )
-                raise LinkDown(
-                    f"open session: no answer from {where} within {wait:g} s "
-                    f"({exc.code().name}: {exc.details()}); is it running? (`muser status "
-                    "--config FILE`)"
-                ) from exc
-            raise RoundRefused(exc.code(), "open", exc.details() or "") from exc
+        signature = self.private.sign(s.open.signed_message(s.epoch, resume))
+        # once a verifier answered the session, an open names its prompt, transcript and MT
+        # state by digest only: a verifier holding them (its own state of the session, its
+        # fragment store) needs no bytes; one lacking some names them (missing_fragments),
+        # and one more open carries just those. A session's first open carries its prompt.
+        send = fragments if s.signer is None and not resume else {}
+        while True:
+            self.pool.fragment_bytes += sum(map(len, send.values()))
+            request = convert.open_to_pb(s.open, s.epoch, signature, send, resume, chunks)
+            try:
+                reply = await self._open_call(member, request)
+                break
+            except RoundRefused as exc:
+                lacking = {d: fragments[d] for d in exc.missing if d in fragments}
+                if exc.reason != "missing_fragments" or not lacking or send:
+                    raise
+                send = lacking
         if self.pool.pooled and reply.verifier_key_id != member.key_id:
             raise RoundRefused(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -116,6 +113,30 @@ class DriverContext:
                 "session %s: verifier %s did not hold round %d; it resumed from this proposer's "
                 "signed round", s.session_id.hex()[:8], reply.verifier_key_id, s.next_round - 1,
             )  # fmt: skip
+
+    async def _open_call(self, member: Member, request: pb.OpenSessionRequest):
+        """One OpenSession call: LinkDown when unanswered (`OPEN_S`, or proposer.failover_s
+        when the pool has another verifier to move to), RoundRefused (with the digests a
+        missing_fragments refusal names) when refused."""
+        wait = self.pool.failover_s if self.pool.pooled else OPEN_S
+        try:
+            return await member.stub.OpenSession(request, wait_for_ready=True, timeout=wait)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRY_CODES:
+                where = (
+                    f"verifier {member.name!r} at {member.address}"
+                    if self.pool.pooled
+                    else f"the verifier at {member.address}"
+                )
+                raise LinkDown(
+                    f"open session: no answer from {where} within {wait:g} s "
+                    f"({exc.code().name}: {exc.details()}); is it running? (`muser status "
+                    "--config FILE`)"
+                ) from exc
+            meta = dict(exc.trailing_metadata() or ())
+            reason = meta.get("muser-reason", "open")
+            missing = [bytes.fromhex(d) for d in meta.get("muser-missing", "").split(",") if d]
+            raise RoundRefused(exc.code(), reason, exc.details() or "", missing) from exc
 
     def moved(self, s: ProposerSession, to: Member) -> list[bytes]:
         """Move the session to `to` at the next epoch, in memory: the request in flight
@@ -199,4 +220,8 @@ class DriverContext:
 
     async def attach(self, s: ProposerSession) -> RoundStream:
         await self.open_remote(s)
-        return await RoundStream(self.home(s).stub, s.session_id, s.epoch).attach()
+        stream = RoundStream(self.home(s).stub, s.session_id, s.epoch, self._count_sent)
+        return await stream.attach()
+
+    def _count_sent(self, n: int) -> None:
+        self.pool.fragment_bytes += n

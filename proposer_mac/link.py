@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -37,9 +37,13 @@ class LinkDown(MuserError):
 class RoundRefused(MuserError):
     """The verifier refused a request (in-band RoundError or an RPC status)."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str):
+    def __init__(
+        self, code: grpc.StatusCode, reason: str, message: str, missing: Sequence[bytes] = ()
+    ):
         super().__init__(f"verifier refused ({code.name}, {reason}): {message}")
         self.code, self.reason, self.detail = code, reason, message
+        self.missing = list(missing)
+        """The fragment digests a missing_fragments refusal names."""
 
 
 def fenced(exc: RoundRefused) -> bool:
@@ -62,8 +66,16 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 class RoundStream:
     """One Rounds stream for one session; `attach` before the first round trip."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, session_id: bytes, epoch: int):
+    def __init__(
+        self,
+        stub: pb_grpc.VerifierStub,
+        session_id: bytes,
+        epoch: int,
+        on_sent: Callable[[int], None] | None = None,
+    ):
         self.call = stub.Rounds()
+        self.on_sent = on_sent
+        """Told the bytes of each fragment sent (the pool counts them)."""
         self.session_id, self.epoch = session_id, epoch
         self._writing = asyncio.Lock()
         """One write at a time: an ack may go while a round trip writes fragments."""
@@ -145,6 +157,8 @@ class RoundStream:
                         if digest in held:
                             fragment = pb.Fragment(digest=digest, data=held[digest])
                             await self._write(pb.ProposerMessage(fragment=fragment))
+                            if self.on_sent is not None:
+                                self.on_sent(len(fragment.data))
                     sent_fragments = True
                     await self._write(pb.ProposerMessage(request=request))
                     continue

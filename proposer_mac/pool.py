@@ -47,6 +47,9 @@ class VerifierPool:
         """Sessions moved to another verifier since the daemon started."""
         self.fences = 0
         """Verifiers a session left told its new epoch (they refuse the old one)."""
+        self.fragment_bytes = 0
+        """Fragment bytes sent to verifiers (opens and missing_fragments answers): what a
+        verifier's fragment store saves shows here."""
 
     @classmethod
     def from_config(cls, config: ClusterConfig) -> VerifierPool:

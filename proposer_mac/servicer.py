@@ -42,6 +42,7 @@ def metrics_view(core: ProposerCore) -> DaemonView:
         drafting=core.context.drafts.stats,
         placement=placement(core),
         fences=core.pool.fences,
+        fragment_bytes=core.pool.fragment_bytes,
     )
 
 
@@ -161,6 +162,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 "placement": placement(core),
                 "moves": view.lane.moves,
                 "fences": core.pool.fences,
+                "fragment_bytes_sent": core.pool.fragment_bytes,
                 "sessions": sessions_table(core),
             },
         }

@@ -7,6 +7,8 @@ expected. Nothing here draws from an MT state it keeps or touches the target.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from cluster_config.schema import Limits
@@ -90,15 +92,10 @@ def check_params(
             )
 
 
-def read_prompt(
-    o: SessionOpen, fragments: dict[bytes, bytes], stage: FragmentStage, vocab: int
-) -> list[int]:
-    """The prompt from the open's fragments (every one hash-checked) or the stage."""
-    for digest, data in fragments.items():
-        FragmentStage.check(digest, data)
-    data = fragments.get(o.prompt_digest)
-    if data is None:
-        data = stage.get(o.prompt_digest)
+def read_prompt(o: SessionOpen, held: Callable[[bytes], bytes | None], vocab: int) -> list[int]:
+    """The prompt, from `held` (the open's fragments, hash-checked, then what the verifier
+    holds: `SessionManager.lookup`)."""
+    data = held(o.prompt_digest)
     if data is None:
         raise MissingFragmentsError(
             f"the prompt fragment {o.prompt_digest.hex()} is neither in the request nor held",

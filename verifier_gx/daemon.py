@@ -6,8 +6,9 @@
     await server.stop(grace)                    # stops RPCs, then closes the commit log
 
 Layout under `verifier.wal_dir`: `commit/` is the commit log (wal.log.FileLog, one writer,
-flock'd). Fragments are staged in memory (verifier_gx.fragments) and re-requested after a
-restart with `missing_fragments`.
+flock'd); `fragments/` the durable fragment store (wal.fragments.FileFragmentStore): what
+proposers sent, kept across restarts so they send digests, not bytes, for it again
+(verifier_gx.fragments; a fragment it lacks is re-requested with `missing_fragments`).
 
 Health (muser.health): a commit log that failed a write or an fsync refuses every append
 from then on, and the daemon answers NOT_SERVING with the reason until it is restarted.
@@ -44,6 +45,7 @@ from muser.health import Health
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
 from verifier_gx.servicer import VerifierServicer
 from verifier_gx.sessions import SessionManager
+from wal.fragments import FileFragmentStore
 from wal.log import FileLog
 
 log = logging.getLogger("muser.verifier")
@@ -97,6 +99,8 @@ class VerifierServer(grpc.aio.Server):
         await self._inner.stop(grace)
         await self.manager.compactor.close()
         self.manager.log.close()
+        if self.manager.fragments.store is not None:
+            self.manager.fragments.store.close()
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self._inner.wait_for_termination(timeout)
@@ -161,7 +165,9 @@ def create_server(
         Path(config.verifier.wal_dir) / "commit",
         on_failure=lambda why: health.fault("wal", wal_fault(why)),
     )
+    store = None
     try:
+        store = FileFragmentStore(Path(config.verifier.wal_dir) / "fragments")
         manager = SessionManager(
             log=commit_log,
             backend=backend,
@@ -175,6 +181,7 @@ def create_server(
             max_drafts=config.lane.draft_len_max,
             compact_bytes=config.verifier.commit_compact_bytes,
             health=health,
+            fragment_store=store,
         )
         commit_log.on_fsync = manager.stats.observe_fsync
         inner = grpc.aio.server(
@@ -196,6 +203,8 @@ def create_server(
             ) from exc
     except BaseException:
         commit_log.close()
+        if store is not None:
+            store.close()
         raise
     if commit_log.last_seq:
         log.info(

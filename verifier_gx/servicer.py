@@ -428,7 +428,11 @@ def status_json(manager: SessionManager) -> dict:
         "resumes": s.resumes,
         "verify_s": s.verify_s,
         "sign_s": s.sign_s,
-        "fragments": {"held": len(manager.fragments), "bytes": manager.fragments.bytes_held},
+        "fragments": {
+            "held": len(manager.fragments),
+            "bytes": manager.fragments.bytes_held,
+            "stored": manager.fragments.stored,
+        },
         "batching": {
             "batches": s.batches,
             "mean_batch": s.mean_batch,

@@ -65,7 +65,11 @@ from muser.records import (
     SessionOpen,
     Signed,
     close_message,
+    sha256,
+    state_digest,
+    tokens_bytes,
     tokens_from_bytes,
+    transcript_chunks,
 )
 from muser.stats import VerifierStats
 from muser.tasks import in_background, shielded
@@ -84,6 +88,7 @@ from verifier_gx.kvpool import KvPool
 from verifier_gx.replay import SessionState
 from verifier_gx.rounds import RoundOutcome, Rounds
 from wal.errors import WalIOError
+from wal.fragments import FileFragmentStore, MemoryFragmentStore
 
 log = logging.getLogger("muser.verifier")
 
@@ -128,11 +133,13 @@ class SessionManager:
         verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
         compact_bytes: int = 0,
         health: Health | None = None,
+        fragment_store: FileFragmentStore | MemoryFragmentStore | None = None,
     ) -> None:
         """`compact_bytes`: snapshot the commit log once this many bytes of segments piled
         up since the last snapshot, checked as sessions close (verifier.commit_compact_bytes;
         0 = never). `health` (the daemon's) is told when the target fails and recovers; its
-        faults are the stats' (a manager without one keeps its own)."""
+        faults are the stats' (a manager without one keeps its own). `fragment_store`: the
+        durable store behind the fragment stage (verifier_gx.fragments; None: memory only)."""
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
         self.qualified_draft = qualified_draft
         """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
@@ -148,7 +155,7 @@ class SessionManager:
         self.verifier_keys = {**(verifier_keys or {}), self.key_id: signing_key.public_key()}
         """Enrolled verifier keys (this one's own included): a resume point signed by any of
         them is taken."""
-        self.fragments = FragmentStage()
+        self.fragments = FragmentStage(fragment_store)
         self._locks: dict[bytes, asyncio.Lock] = {}
         self._open_lock = asyncio.Lock()
         self.rounds = Rounds(
@@ -299,7 +306,7 @@ class SessionManager:
                 entry = self._resume_entry(req)
                 self._check_room_for_another()
                 return await self._resume(entry)
-            prompt = read_prompt(o, dict(req.fragments), self.fragments, self.target.vocab_size)
+            prompt = read_prompt(o, self.lookup(req), self.target.vocab_size)
             check_room(len(prompt), o.params, self.backend.geometry.context_length)
             self._check_room_for_another()
             entry = journal.OpenEntry(o, req.epoch, tuple(prompt), req.signature)
@@ -318,19 +325,19 @@ class SessionManager:
 
     def _resume_entry(self, req: OpenRequest) -> journal.ResumeEntry:
         """The RESUME entry `req` asks for, every part of it checked (nothing written)."""
-        o, fragments = req.open, dict(req.fragments)
-        prompt = read_prompt(o, fragments, self.fragments, self.target.vocab_size)
-        check_room(len(prompt), o.params, self.backend.geometry.context_length)
+        o, lookup = req.open, self.lookup(req)
         point = replay.resume_point(o, req.epoch, req.resume, self.verifier_keys)
-        named = [*req.resume_transcript, point.post_state_digest]
-        held = {d: fragments.get(d) or self.fragments.get(d) for d in named}
+        named = [o.prompt_digest, *req.resume_transcript, point.post_state_digest]
+        held = {d: lookup(d) for d in named}
         missing = [d for d, data in held.items() if data is None]
-        if missing:
+        if missing:  # every one named at once: the proposer sends them in one more open
             raise MissingFragmentsError(
-                f"the resume point's transcript and MT state name {len(missing)} fragment(s) "
-                f"neither in the open nor held: {[d.hex()[:16] for d in missing]}",
+                f"the open's prompt, resume transcript and MT state name {len(missing)} "
+                f"fragment(s) neither in the open nor held: {[d.hex()[:16] for d in missing]}",
                 missing,
             )
+        prompt = read_prompt(o, held.get, self.target.vocab_size)
+        check_room(len(prompt), o.params, self.backend.geometry.context_length)
         chunks = [held[d] for d in req.resume_transcript]
         if any(not chunk or len(chunk) % 4 for chunk in chunks):
             raise FragmentMismatchError(
@@ -425,7 +432,12 @@ class SessionManager:
             # pool and ended there; its proposer closes it here, for good)
             await self._journal_close(session_id)
             log.info("session %s closed after %d rounds", short(session_id), state.next_round)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """After sessions closed: compact the commit log if due, collect stored fragments."""
         in_background(self.compactor.maybe_compact(), "commit log compaction", log)
+        in_background(self.collect_fragments(), "fragment collection", log)
 
     async def _journal_close(self, session_id: bytes) -> None:
         """Journal a session's CLOSE; once durable, apply it and drop all held for it."""
@@ -455,7 +467,7 @@ class SessionManager:
         ]
         closed = [sid for sid in stale if await shielded(self._close_if_idle(sid, idle_s))]
         if closed:
-            in_background(self.compactor.maybe_compact(), "commit log compaction", log)
+            self._tidy()
         return closed
 
     async def _close_if_idle(self, sid: bytes, idle_s: float) -> bool:
@@ -489,6 +501,46 @@ class SessionManager:
 
     # ---- fragments ------------------------------------------------------------------------
 
+    def lookup(self, req: OpenRequest) -> Callable[[bytes], bytes | None]:
+        """Where an open's named fragments are found: the open's own (hash-checked, and kept
+        in the durable store), then the stage and the store, then what this verifier derives
+        from its own state of the session (its prompt, its transcript's chunks, its MT
+        state: a session coming back from another verifier resends only what it lacks)."""
+        for digest, data in req.fragments.items():
+            FragmentStage.check(digest, data)
+            self._keep(data)
+        derived: dict[bytes, bytes] = {}
+        state = self.replay.sessions.get(req.open.session_id)
+        if state is not None:
+            derived = {sha256(c): c for c in transcript_chunks(state.transcript)}
+            derived[state_digest(state.mt)] = state.mt.to_bytes()
+            derived[state.open.prompt_digest] = tokens_bytes(state.prompt)
+
+        def held(digest: bytes) -> bytes | None:
+            for found in (req.fragments.get(digest), derived.get(digest)):
+                if found is not None:
+                    return found
+            return self.fragments.get(digest)
+
+        return held
+
+    def _keep(self, data: bytes) -> None:
+        """Write a fragment a proposer sent to the durable store, off the event loop."""
+        if self.fragments.store is not None:
+            in_background(asyncio.to_thread(self.fragments.keep, data), "fragment store", log)
+
+    async def collect_fragments(self) -> int:
+        """Drop stored fragments no open session's committed records name and nothing
+        stages, once past the store's grace period; returns how many went."""
+        if self.fragments.store is None:
+            return 0
+        named: list[bytes] = []
+        for state in self.replay.sessions.values():
+            named.append(state.open.prompt_digest)
+            named += [sha256(c) for c in transcript_chunks(state.transcript)]
+            named.append(state_digest(state.mt))
+        return await asyncio.to_thread(self.fragments.store.gc, self.fragments.live(named))
+
     def put_fragment(self, session_id: bytes, digest: bytes, data: bytes) -> None:
         """Stage a fragment the proposer sent, up to limits.max_message_bytes a session
         holds unacknowledged (each charged OVERHEAD more): enough for any transcript, and no
@@ -500,7 +552,8 @@ class SessionManager:
                 f"session {short(session_id)} has {held} bytes of fragments staged and not "
                 f"acknowledged; {len(data)} more would pass limits.max_message_bytes = {cap}"
             )
-        self.fragments.put(digest, data, (session_id, state.next_round))
+        if self.fragments.put(digest, data, (session_id, state.next_round)):
+            self._keep(data)
 
     def ack(self, session_id: bytes, round_: int) -> int:
         return self.fragments.release(session_id, round_)

@@ -18,6 +18,7 @@ from cluster_config import load_config
 from muser import keys
 from muser.sampling import SamplingParams
 from muser_app.cli.cluster_client import stream_generate
+from muser_app.cli.status import probe
 from muser_app.fixtures import natural_prompts
 from muser_app.netproxy import TcpProxy
 from tests.cluster.conftest import make_cluster
@@ -175,6 +176,39 @@ def _keepalive(seconds: float):
         )
 
     return edit
+
+
+def _fragment_bytes(cluster) -> int:
+    """Fragment bytes the proposer sent to verifiers so far (its status)."""
+    return probe(cluster.address, "proposer")["status"]["pool"]["fragment_bytes_sent"]
+
+
+def test_a_restarted_verifier_is_sent_no_fragment_bytes_again(tmp_path, fixture_pair, reference):
+    """The verifier restarts three times mid-generation. Each reopen names the transcript
+    and MT state by digest only, and the verifier holds them (its commit log, its fragment
+    store), so past the prompt at the first open no fragment byte goes again (each reopen
+    used to carry the prompt, the transcript and the MT state: some 3-4 KB here, more the
+    longer the text)."""
+    cluster = make_cluster(tmp_path, fixture_pair, draft_len=2)
+    cluster.start()
+    prompt = _prompt(fixture_pair)
+    client = Client(cluster.address, prompt, PARAMS)
+    try:
+        client.start()
+        assert client.wait_for(20)
+        assert _fragment_bytes(cluster) == 4 * len(prompt)  # the prompt, at the first open
+        for _ in range(3):
+            at = client.count
+            cluster.verifier.kill()
+            cluster.verifier.start()
+            assert client.wait_for(at + 20)
+        client.join(300)
+        assert client.error is None, f"{client.error}\n{cluster.proposer.log_tail()}"
+        assert client.result["tokens"] == reference
+        assert _fragment_bytes(cluster) == 4 * len(prompt)
+    finally:
+        cluster.stop()
+    assert_wals_verify(cluster)
 
 
 def test_cut_connection_mid_stream_changes_nothing(tmp_path, fixture_pair, reference):

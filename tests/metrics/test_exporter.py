@@ -235,3 +235,18 @@ def test_status_fields(known):
 
 def test_wal_bytes_of_a_missing_directory_is_zero(tmp_path):
     assert wal_bytes(tmp_path / "nothing") == 0 and wal_bytes(None) is None
+
+
+def test_proposer_exports_its_pool_counters(tmp_path):
+    lane = LaneStats()
+    lane.moves = 3
+    view = DaemonView(
+        "proposer", "p", lane, DaemonStats(), 1, 0, tmp_path, lane.clock(),
+        placement={"a": 1, "b": 0}, fences=2, fragment_bytes=4096,
+    )  # fmt: skip
+    got = samples(exposition(lambda: view))
+    assert got[("muser_session_moves_total", ())] == 3.0
+    assert got[("muser_verifier_fences_total", ())] == 2.0
+    assert got[("muser_fragment_bytes_sent_total", ())] == 4096.0
+    assert got[("muser_sessions_by_verifier", (("verifier", "a"),))] == 1.0
+    assert got[("muser_sessions_by_verifier", (("verifier", "b"),))] == 0.0

@@ -160,3 +160,11 @@ async def verifier(key_set, tmp_path) -> AsyncIterator[Verifier]:
     await v.start()
     yield v
     await v.stop()
+
+
+@pytest.fixture
+def other(tmp_path):
+    """A second enrolled verifier's key: another node."""
+    private = keys.generate()
+    keys.write_keypair(private, tmp_path / "other.key", tmp_path / "other.pub")
+    return private, tmp_path / "other"

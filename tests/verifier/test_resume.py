@@ -32,14 +32,6 @@ C = grpc.StatusCode
 SID = bytes(range(16))
 
 
-@pytest.fixture
-def other(tmp_path):
-    """A second enrolled verifier's key: another node."""
-    private = keys.generate()
-    keys.write_keypair(private, tmp_path / "other.key", tmp_path / "other.pub")
-    return private, tmp_path / "other"
-
-
 def node(key_set, wal_dir, other, *, own: str = "verifier"):
     """A verifier config enrolling both verifier keys, signing with `own`'s."""
     private, stem = other
@@ -230,6 +222,12 @@ async def test_a_transcript_or_state_that_the_round_did_not_commit_is_refused(mo
     _, b, client = moved
     resume, chunks, fragments = client.resume_point()
     point = RoundResult.decode(client.results[-1].body)
+    dropped = (chunks[0], point.post_state_digest)  # (before B was sent either)
+    held = {d: data for d, data in fragments.items() if d not in dropped}
+    details = await refused_at(
+        b, client.resume_session(fragments=held), C.FAILED_PRECONDITION, "missing_fragments"
+    )
+    assert all(d.hex()[:16] in details for d in dropped)  # every one named at once
     wrong = list(client.transcript)
     wrong[-2] = (wrong[-2] + 1) % 24
     chunk = tokens_bytes(wrong)
@@ -252,11 +250,6 @@ async def test_a_transcript_or_state_that_the_round_did_not_commit_is_refused(mo
         C.FAILED_PRECONDITION,
         "fragment_mismatch",
     )
-    for drop in (chunks[0], point.post_state_digest):
-        held = {d: data for d, data in fragments.items() if d != drop}
-        await refused_at(
-            b, client.resume_session(fragments=held), C.FAILED_PRECONDITION, "missing_fragments"
-        )
 
 
 async def test_a_resume_point_of_another_session_or_a_later_epoch_is_refused(moved, key_set):
