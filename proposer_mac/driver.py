@@ -48,7 +48,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from muser import logs
+from muser import faults, logs
 from muser.records import Signed
 from muser.stats import LaneStats
 from muser.tasks import in_background
@@ -194,6 +194,7 @@ class SessionRunner:
         )
         prepared = journal.encode_prepared(s.session_id, s.next_round, signed_request)
         await self._append(loop.checked, prepared)
+        faults.reached("proposer.after_prepared")
         loop.checked = None
         s.prepared = signed_request
         loop.to_speculate = loop.in_flight = proposal
@@ -459,6 +460,7 @@ class SessionRunner:
         committed = journal.encode_committed(s.session_id, result.round, checked.signed)
         t2 = time.perf_counter()
         await self.core.log.append_many_async([committed, *after])
+        faults.reached("proposer.after_committed")
         t0, t1, start = checked.times
         self.durable = max(self.durable, checked.durable)
         remote = raw.verify_s + raw.wal_s + raw.sign_s

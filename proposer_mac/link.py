@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from muser import faults
 from muser.errors import MuserError
 from muser.records import Signed
 from muser.wire import convert
@@ -180,6 +181,7 @@ class RoundStream:
             await self._write(
                 pb.ProposerMessage(ack=pb.Ack(session_id=self.session_id, round=round_))
             )
+            faults.reached("proposer.after_ack")
 
     async def look_ahead(self, round_: int, after: list[int], drafts: list[int]) -> None:
         """Best effort, like `ack`: name the drafts of round `round_`, drafted on the round

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from muser import faults
 from muser.affinity import pinned_to
 from muser.errors import MuserError, RefusedError
 from muser.metrics import DaemonView, status_fields
@@ -90,6 +91,13 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                     )
             else:
                 runner = await core.new_session(request)
+                # the session is journaled: its id goes out at once, with no tokens, so a
+                # client whose proposer dies before the first round can still reconnect
+                yield pb.GenerateEvent(
+                    session_id=runner.session.session_id,
+                    offset=0,
+                    prompt_tokens=len(runner.session.prompt),
+                )
         except MuserError as exc:
             code = getattr(exc, "code", None)
             if not isinstance(code, grpc.StatusCode):
@@ -128,6 +136,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             if done:
                 event.stats_json = json.dumps(runner.stats.to_dict())
             yield event
+            if tokens:
+                faults.reached("proposer.after_emit")
             offset += len(tokens)
             if done:
                 return

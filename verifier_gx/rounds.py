@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from muser import keys
+from muser import faults, keys
 from muser.errors import (
     EquivocationError,
     HeadMismatchError,
@@ -161,6 +161,7 @@ class Rounds:
             check_closure(state, request, sessions.fragments)
             check_drafts(state, request, sessions.target.vocab_size, self.max_drafts)
             check_decode(state, request, self.max_decode_len)
+            faults.reached("verifier.after_closure")
             return await self._commit(state, request, digest, on_decided)
 
     async def look_ahead(
@@ -245,6 +246,7 @@ class Rounds:
         ok = [i for i, d in enumerate(decided) if not isinstance(d, BaseException)]
         if not ok:
             return decided
+        faults.reached("verifier.after_compute")
         t0 = self.clock()
         payloads = [journal.encode(journal.RoundEntry(jobs[i].digest, decided[i][4])) for i in ok]
         try:
@@ -254,6 +256,7 @@ class Rounds:
                 decided[i] = exc
             return decided
         wal_s = self.clock() - t0
+        faults.reached("verifier.after_commit_fsync")
         for i in ok:
             decided[i][5]["wal_s"] = wal_s
         return decided

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from muser import logs
+from muser import faults, logs
 from muser.affinity import pinned_to
 from muser.canonical import CanonicalError
 from muser.errors import (
@@ -299,6 +299,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         elif kind == "ack":
             if msg.ack.session_id == session_id:
                 self.manager.ack(session_id, msg.ack.round)
+                faults.reached("verifier.after_ack")
             else:
                 exc = NotAttachedError(
                     f"ack for session {msg.ack.session_id.hex()}; this stream is attached "
@@ -344,6 +345,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             yield msg
         for msg in task.result():
             yield msg
+            if msg.WhichOneof("kind") == "result":
+                faults.reached("verifier.after_emit")
 
     async def _round(self, session_id: bytes, request: pb.RoundRequest, on_decided=None) -> list:
         where = f"session {request.session_id.hex()[:8]} round {request.round}"

@@ -108,6 +108,9 @@ async def test_generate_equals_the_local_lane_and_offsets_are_contiguous(cluster
     offsets = [e.offset for e in events]
     assert offsets == [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]
     assert events[-1].done and events[-1].stats_json
+    # the first event names the journaled session before any round: a client whose
+    # proposer dies before the first tokens can reconnect to it
+    assert not events[0].tokens and events[0].session_id and events[0].prompt_tokens == len(PROMPT)
     sid = events[0].session_id
     for _ in range(200):  # the runner closes the session on the verifier after its last event
         if sid in cluster.verifier.manager.replay.closed:
