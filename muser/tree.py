@@ -1,0 +1,421 @@
+"""Drafting and judging one tree round (DESIGN.md §4.1). Pure: a topology, rows and an MT
+state in, a decision out.
+
+A tree of N draft nodes. Node i carries a token and a parent: -1 for the root (the
+frontier), else an earlier node, so a node's ancestors all come before it and neither a
+cycle nor an orphan can be written. Positions name where a row sits: position 0 is the
+root, position i + 1 is node i (the end of the path root -> ... -> node i). Each position
+with children carries the sparse draft row q its children were drawn from (None where it
+has none); the witness rows p_0..p_N are the target's rows at the N + 1 positions, so p_v
+judges the children of position v, and p_v of a position without children yields the bonus.
+A chain (parents -1, 0, 1, ...) is the linear round: it draws and decides exactly as
+`muser.verify.judge_round`, bit for bit.
+
+Draw order within a round, and nothing else consumes:
+  1. proposer, drafting (`draft_tree`): positions in order 0..N; at each, its children in
+     node order, one uniform per child, each drawn from the position's q without
+     replacement: child j = sample_ordered(q with children 1..j-1 zeroed, u). Node indices
+     follow from this order (breadth first: a position's children are appended as it is
+     expanded). Greedy: a position's children are its q's largest weights, descending
+     (lowest id first among equals), and nothing is drawn.
+  2. verifier, judging from the root: at position v with children x_1..x_k (node order),
+     p' = p_v and q' = q_v normalised. For each child in turn: one uniform u; accept iff
+     p'(x) > 0 and u < p'(x) / q'(x), and go on at that child's position. On rejection
+     p' <- norm(max(p' - q', 0)) (p' kept when that is all zero, as the linear round keeps
+     p_a), q'(x) <- 0 and q' is renormalised: recursive rejection sampling without
+     replacement (SpecTr, Sequoia), lossless at any temperature.
+  3. one uniform: the next frontier sampled from p' when every child of v was rejected, or
+     from p_v (the bonus) at a position without children.
+Greedy: rows are one-hot argmax (lowest id on ties): a child is accepted iff it is p_v's
+argmax, and the next frontier is p_v's argmax; nothing is drawn. The accepted path is the
+target's greedy path.
+
+`judge_tree` is the fast path (numpy over the vocabulary); `judge_tree_reference` the slow
+float64 reference as plain loops. Tests hold them equal under the same draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from muser.errors import (
+    DraftMismatchError,
+    DraftZeroProbabilityError,
+    RoundValidationError,
+    RowCountError,
+    RowWidthError,
+    TokenOutOfVocabularyError,
+)
+from muser.mt19937 import Mt19937
+from muser.sampling import SparseRow, argmax_lowest, check_probability_rows, sample_ordered
+
+
+class TreeTopologyError(RoundValidationError):
+    """A tree whose parents, siblings or size no round can carry."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """What a tree round drafts: per node its parent (-1: the root) and token, and per
+    position (0: the root, i + 1: node i) the q row its children were drawn from."""
+
+    parents: tuple[int, ...]
+    tokens: tuple[int, ...]
+    q_rows: tuple[SparseRow | None, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def children(self, position: int) -> list[int]:
+        """The nodes whose parent is `position` (0: the root), in node order."""
+        parent = position - 1
+        return [i for i, p in enumerate(self.parents) if p == parent]
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    @classmethod
+    def chain(cls, drafts: Sequence[int], q_rows: Sequence[SparseRow]) -> Tree:
+        """The linear round's drafts as a one-branch tree (the last position has no row)."""
+        n = len(drafts)
+        return cls(tuple(range(-1, n - 1)), tuple(int(d) for d in drafts), (*q_rows, None))
+
+
+@dataclass(frozen=True)
+class TreeDecision:
+    path: tuple[int, ...]
+    """The accepted nodes, root's child first."""
+    next_frontier: int
+    post_state: Mt19937
+    draws: int
+    """uniform_f64 draws the round consumed (drafting replay + judging)."""
+
+    def emitted(self, tree: Tree) -> list[int]:
+        """Tokens the round emits: the accepted path's tokens, then the next frontier."""
+        return [*(tree.tokens[i] for i in self.path), self.next_frontier]
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+
+def validate_tree(
+    frontier: int, tree: Tree, witness: np.ndarray, vocab_size: int, max_nodes: int
+) -> None:
+    """Every topology, geometry and value check, before a single draw."""
+    n = tree.size
+    if len(tree.parents) != n:
+        raise TreeTopologyError(f"{n} tree tokens need {n} parents, got {len(tree.parents)}")
+    if not 1 <= n <= max_nodes:
+        raise TreeTopologyError(f"a tree has 1 to {max_nodes} nodes (the node budget), got {n}")
+    for i, parent in enumerate(tree.parents):
+        if not -1 <= parent < n:
+            raise TreeTopologyError(
+                f"node {i}: parent {parent} is no node (an orphan); expected -1 (the root) or "
+                f"an earlier node in [0, {i})"
+            )
+        if parent >= i:
+            raise TreeTopologyError(
+                f"node {i}: parent {parent} is not an earlier node; parents come before their "
+                "children, so a tree has no cycle"
+            )
+    if len(tree.q_rows) != n + 1:
+        raise RowCountError(f"{n} nodes need {n + 1} draft rows (one per position), got "
+                            f"{len(tree.q_rows)}")  # fmt: skip
+    if witness.ndim != 2 or witness.shape[0] != n + 1:
+        raise RowCountError(
+            f"{n} nodes need {n + 1} witness rows, got shape {tuple(witness.shape)}"
+        )
+    if witness.shape[1] != vocab_size:
+        raise RowWidthError(
+            f"witness rows must be {vocab_size} wide (the vocabulary), got {witness.shape[1]}"
+        )
+    tokens = [("frontier", frontier)] + [(f"node {i}", t) for i, t in enumerate(tree.tokens)]
+    for name, token in tokens:
+        if not 0 <= int(token) < vocab_size:
+            raise TokenOutOfVocabularyError(
+                f"{name} token {int(token)} outside the vocabulary [0, {vocab_size})"
+            )
+    for position, row in enumerate(tree.q_rows):
+        kids = tree.children(position)
+        if not kids:
+            if row is not None:
+                raise TreeTopologyError(f"position {position} has a draft row and no children")
+            continue
+        if row is None:
+            raise RowCountError(f"position {position} has children and no draft row")
+        row.validate(vocab_size, f"draft row at position {position}")
+        seen: set[int] = set()
+        for i in kids:
+            token = int(tree.tokens[i])
+            if token in seen:
+                raise TreeTopologyError(
+                    f"node {i}: token {token} twice among the children of position {position} "
+                    "(siblings are drawn without replacement)"
+                )
+            seen.add(token)
+            if row.probability(token) <= 0.0:
+                raise DraftZeroProbabilityError(
+                    f"node {i} token {token} has draft probability q = 0 in its row"
+                )
+    check_probability_rows(witness, "witness")
+
+
+# --- drafting ------------------------------------------------------------------------------
+
+
+def greedy_order(row: SparseRow) -> list[int]:
+    """The row's ids by weight, descending, lowest id first among equals."""
+    order = np.lexsort((row.ids, -row.weights))
+    return [int(row.ids[j]) for j in order]
+
+
+def draw_children(row: SparseRow, k: int, rng: Mt19937, greedy: bool) -> list[int]:
+    """Up to `k` distinct tokens from `row` (fewer when its support is smaller): greedy, its
+    k largest; else k draws without replacement, one uniform each."""
+    k = min(k, int(np.count_nonzero(row.weights)))
+    if greedy:
+        return greedy_order(row)[:k]
+    weights = row.weights.astype(np.float64).copy()
+    out = []
+    for _ in range(k):
+        j = sample_ordered(weights, rng.uniform_f64())
+        out.append(int(row.ids[j]))
+        weights[j] = 0.0
+    return out
+
+
+def draft_tree(
+    rng: Mt19937,
+    branching: Sequence[int],
+    row_at: Callable[[list[int]], SparseRow],
+    greedy: bool,
+) -> Tree:
+    """Draft a tree breadth first: a position at depth d (the root is depth 0) gets
+    `branching[d]` children from `row_at(tokens on its path)`, positions in order; past the
+    last depth, none. `rng` advances by the drafting draws."""
+    parents: list[int] = []
+    tokens: list[int] = []
+    rows: list[SparseRow | None] = []
+    depth = [0]  # per position
+    position = 0
+    while position <= len(tokens):
+        d = depth[position]
+        if d >= len(branching) or branching[d] <= 0:
+            rows.append(None)
+        else:
+            path = [] if position == 0 else [tokens[i] for i in _path(parents, position - 1)]
+            row = row_at(path)
+            rows.append(row)
+            for token in draw_children(row, branching[d], rng, greedy):
+                parents.append(position - 1)
+                tokens.append(token)
+                depth.append(d + 1)
+        position += 1
+    return Tree(tuple(parents), tuple(tokens), tuple(rows))
+
+
+def _path(parents: Sequence[int], node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def replay_tree(state: Mt19937, tree: Tree, greedy: bool) -> Mt19937:
+    """Step 1 replayed: refuse a tree the draws from `state` would not have selected.
+    Returns the state after drafting; `state` itself is not advanced."""
+    rng = state.copy()
+    for position, row in enumerate(tree.q_rows):
+        kids = tree.children(position)
+        if not kids:
+            continue
+        expected = draw_children(row, len(kids), rng, greedy)
+        for i, want in zip(kids, expected, strict=False):
+            if want != int(tree.tokens[i]):
+                raise DraftMismatchError(
+                    f"node {i}: the replayed draw at position {position} selects token {want}, "
+                    f"the request declares {int(tree.tokens[i])}"
+                )
+    return rng
+
+
+# --- judging -------------------------------------------------------------------------------
+
+
+def judge_tree(
+    state: Mt19937,
+    frontier: int,
+    tree: Tree,
+    witness: np.ndarray,
+    *,
+    greedy: bool,
+    max_nodes: int,
+) -> TreeDecision:
+    """Validate, replay the drafting draws, then walk the tree from the root."""
+    vocab = witness.shape[-1] if witness.ndim == 2 else 0
+    validate_tree(frontier, tree, witness, vocab, max_nodes)
+    start = state.draws
+    rng = replay_tree(state, tree, greedy)
+    path: list[int] = []
+    position = 0
+    while True:
+        kids = tree.children(position)
+        p_row = witness[position]
+        if not kids:  # the bonus
+            nxt = argmax_lowest(p_row) if greedy else sample_ordered(p_row, rng.uniform_f64())
+            return TreeDecision(tuple(path), nxt, rng, rng.draws - start)
+        if greedy:
+            best = argmax_lowest(p_row)
+            taken = next((i for i in kids if int(tree.tokens[i]) == best), None)
+            if taken is None:
+                return TreeDecision(tuple(path), best, rng, rng.draws - start)
+            path.append(taken)
+            position = taken + 1
+            continue
+        p, q = p_row, tree.q_rows[position].dense(vocab)
+        taken = None
+        for i in kids:
+            x = int(tree.tokens[i])
+            u = rng.uniform_f64()
+            if p[x] > 0.0 and u < p[x] / q[x]:  # a token with p = 0 is never accepted
+                taken = i
+                break
+            residual = np.maximum(p - q, 0.0)
+            if np.any(residual > 0.0):
+                p = residual / np.cumsum(residual)[-1]
+                last = residual
+            else:
+                last = p
+            q = q.copy()
+            q[x] = 0.0
+            z = np.cumsum(q)[-1]
+            if z > 0.0:
+                q = q / z
+        if taken is None:  # every child rejected: the next frontier from the residual
+            return TreeDecision(tuple(path), sample_ordered(last, rng.uniform_f64()), rng,
+                                rng.draws - start)  # fmt: skip
+        path.append(taken)
+        position = taken + 1
+
+
+# --- the slow float64 reference ------------------------------------------------------------
+
+
+def _sample_reference(weights: list[float], u: float) -> int:
+    total = 0.0
+    cumulative = []
+    for w in weights:
+        total += w
+        cumulative.append(total)
+    for index, c in enumerate(cumulative):
+        if c > u * total:
+            return index
+    return max(i for i, w in enumerate(weights) if w > 0.0)
+
+
+def _argmax_reference(row: list[float]) -> int:
+    best = 0
+    for i, v in enumerate(row):
+        if v > row[best]:
+            best = i
+    return best
+
+
+def _total(values: list[float]) -> float:
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def judge_tree_reference(
+    state: Mt19937,
+    frontier: int,
+    tree: Tree,
+    witness: np.ndarray,
+    *,
+    greedy: bool,
+    max_nodes: int,
+) -> TreeDecision:
+    """The same algorithm as `judge_tree` (drafting replay included), as plain float64
+    loops over Python lists."""
+    vocab = witness.shape[-1] if witness.ndim == 2 else 0
+    validate_tree(frontier, tree, witness, vocab, max_nodes)
+    rng = state.copy()
+    start = rng.draws
+    dense: list[list[float] | None] = []
+    for position, row in enumerate(tree.q_rows):
+        kids = [i for i, parent in enumerate(tree.parents) if parent == position - 1]
+        if row is None:
+            dense.append(None)
+            continue
+        ids, weights = [int(t) for t in row.ids], [float(w) for w in row.weights]
+        left = list(weights)
+        for i in kids:
+            if greedy:
+                ranked = sorted(range(len(ids)), key=lambda j: (-weights[j], ids[j]))
+                pick = ranked[kids.index(i)]
+            else:
+                pick = _sample_reference(left, rng.uniform_f64())
+                left[pick] = 0.0
+            if ids[pick] != int(tree.tokens[i]):
+                raise DraftMismatchError(
+                    f"node {i}: the replayed draw at position {position} selects token "
+                    f"{ids[pick]}, the request declares {int(tree.tokens[i])}"
+                )
+        z = _total(weights)
+        row_dense = [0.0] * vocab
+        for t, w in zip(ids, weights, strict=True):
+            row_dense[t] = w / z
+        dense.append(row_dense)
+    rows = [[float(v) for v in r] for r in witness]
+    path: list[int] = []
+    position = 0
+    while True:
+        kids = [i for i, parent in enumerate(tree.parents) if parent == position - 1]
+        p = rows[position]
+        if not kids:
+            nxt = _argmax_reference(p) if greedy else _sample_reference(p, rng.uniform_f64())
+            return TreeDecision(tuple(path), nxt, rng, rng.draws - start)
+        if greedy:
+            best = _argmax_reference(p)
+            taken = next((i for i in kids if int(tree.tokens[i]) == best), None)
+            if taken is None:
+                return TreeDecision(tuple(path), best, rng, rng.draws - start)
+            path.append(taken)
+            position = taken + 1
+            continue
+        q = list(dense[position])
+        taken, last = None, p
+        for i in kids:
+            x = int(tree.tokens[i])
+            u = rng.uniform_f64()
+            if p[x] > 0.0 and u < p[x] / q[x]:
+                taken = i
+                break
+            residual = [max(pv - qv, 0.0) for pv, qv in zip(p, q, strict=True)]
+            if any(r > 0.0 for r in residual):
+                z = _total(residual)
+                p, last = [r / z for r in residual], residual
+            else:
+                last = p
+            q[x] = 0.0
+            z = _total(q)
+            if z > 0.0:
+                q = [v / z for v in q]
+        if taken is None:
+            return TreeDecision(tuple(path), _sample_reference(last, rng.uniform_f64()), rng,
+                                rng.draws - start)  # fmt: skip
+        path.append(taken)
+        position = taken + 1
