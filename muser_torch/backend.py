@@ -44,7 +44,7 @@ from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import CaptureLayerError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import model_identity
-from muser_torch.batched import BatchKv, TorchSequence, batch_inputs
+from muser_torch.batched import BatchKv, TorchSequence, batch_inputs, tree_depths, tree_inputs
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16", "float16")
@@ -303,6 +303,42 @@ class TorchBackend(HeldTokens):
         for layer in captured:
             captured[layer] = captured[layer][: counts[0]]
         return out, captured
+
+    def evaluate_tree(
+        self, seq: TorchSequence, tokens: Sequence[int], parents: Sequence[int]
+    ) -> np.ndarray:
+        """A token tree after `seq`'s KV in one forward (DESIGN.md §4.1): `tokens[0]` is the
+        root (the frontier), `tokens[i + 1]` node i, whose parent is `parents[i]` (-1: the
+        root; else an earlier node). Each row sees the committed KV and its own ancestors in
+        the block, at position length + its depth (`muser_torch.batched.tree_inputs`), so
+        it is the row a linear forward of its path would give, within float rounding.
+        Returns float64 logits (len(tokens), vocab); the block's KV is held after `seq`'s
+        length until `seq.keep_path` keeps the accepted path (nothing else reads it)."""
+        if not isinstance(seq, TorchSequence) or seq.owner is not self:
+            raise TypeError(f"{seq!r} is not a sequence of this backend")
+        ids = check_tokens(tokens, self.vocab_size)
+        depths = tree_depths(parents, len(ids))
+        check_room(seq.length, max(depths) + 1, self.geometry.context_length)
+        torch = self._torch
+        cache = BatchKv([seq], [len(ids)])
+        rows, positions, mask = tree_inputs(
+            torch, seq.length, ids, parents, depths, self._mask_dtype, self._mask_lowest
+        )
+        with torch.inference_mode():
+            input_ids, position_ids = rows.to(self.device), positions.to(self.device)
+            mask = mask[:, None].to(self.device)
+            if self._lean is not None:
+                logits = self._lean.logits(input_ids, position_ids, mask, cache)
+            else:
+                logits = self._model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                ).logits
+        seq._hold_block(ids)
+        return logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
 
     def _inputs(self, seqs: list[TorchSequence], ids: list[list[int]], counts: list[int],
                 total: int):  # fmt: skip

@@ -72,6 +72,8 @@ class TorchSequence:
         self._tokens: list[int] = []
         self._keys: list = []
         self._values: list = []
+        self._block: list[int] | None = None
+        """A tree block written after `length` and not kept yet (`keep_path`)."""
         self._row: tuple | None = None
         """(group, row) while this sequence's buffers are row `row` of a group's tensors
         (`clones`); None once it has buffers of its own."""
@@ -109,6 +111,7 @@ class TorchSequence:
     def reset(self) -> None:
         """Drop the whole KV, buffers included."""
         self._tokens.clear()
+        self._block = None
         self._keys, self._values = [], []
         self._row = None
 
@@ -177,6 +180,31 @@ class TorchSequence:
 
     def _commit(self, ids: list[int]) -> None:
         self._tokens.extend(ids)
+        self._block = None  # a forward wrote over any tree block held
+
+    def _hold_block(self, ids: list[int]) -> None:
+        """A tree's block was written after `length` (`TorchBackend.evaluate_tree`): held
+        there, not committed, until `keep_path`."""
+        self._block = list(ids)
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """Keep the tree block's root and the accepted nodes `path` (node indices, root's
+        child first: each the child of the one before) as this sequence's next tokens, and
+        drop the rest of the block. The path's keys move down to sit right after the root;
+        their rotary positions were already length + depth, which is where they land."""
+        block = self._block
+        if block is None:
+            raise ValueError("keep_path: no tree block is held (evaluate_tree first)")
+        if any(not 0 <= i < len(block) - 1 for i in path):
+            raise ValueError(f"keep_path: nodes {list(path)} outside the block's {len(block) - 1}")
+        start = self.length
+        rows = [start + 1 + i for i in path]
+        if rows != list(range(start + 1, start + 1 + len(rows))):  # else already in place
+            for bufs in (self._keys, self._values):
+                for buf in bufs:
+                    buf[:, start + 1 : start + 1 + len(rows)] = buf[:, rows].clone()
+        self._tokens.extend([block[0], *(block[1 + i] for i in path)])
+        self._block = None
 
 
 def batch_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]], counts: list[int],
@@ -211,3 +239,42 @@ def ragged_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]], counts
     mask = np.where(visible, np.float32(0), mask_lowest)
     mask = torch.from_numpy(mask).to(mask_dtype)
     return torch.from_numpy(rows), torch.from_numpy(positions), mask
+
+
+def tree_depths(parents: Sequence[int], width: int) -> list[int]:
+    """Depth of each block entry (0: the root) of a tree with `width` entries (root and
+    nodes); refuses parents that are not -1 or an earlier node."""
+    if len(parents) != width - 1:
+        raise ValueError(f"a tree of {width} tokens (root and nodes) has {width - 1} parents, "
+                         f"got {len(parents)}")  # fmt: skip
+    depths = [0]
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i}: parent {parent} is not -1 (the root) or an earlier node")
+        depths.append(depths[parent + 1] + 1)
+    return depths
+
+
+def tree_inputs(torch, length: int, ids: list[int], parents: Sequence[int], depths: list[int],
+                mask_dtype, mask_lowest):  # fmt: skip
+    """A tree block's token row (1, W), positions (1, W) (length + depth) and additive mask
+    (1, W, length + W): entry j sees the committed keys [0, length) and the block entries on
+    its own path (itself and its ancestors)."""
+    width = len(ids)
+    visible = np.zeros((width, length + width), dtype=bool)
+    visible[:, :length] = True
+    for j in range(width):
+        k = j
+        while True:
+            visible[j, length + k] = True
+            if k == 0:
+                break
+            k = parents[k - 1] + 1
+    mask = np.where(visible, np.float32(0), mask_lowest)[None]
+    positions = (length + np.array(depths, dtype=np.int64))[None]
+    rows = np.array([ids], dtype=np.int64)
+    return (
+        torch.from_numpy(rows),
+        torch.from_numpy(positions),
+        torch.from_numpy(mask).to(mask_dtype),
+    )
