@@ -194,42 +194,49 @@ def draw_children(row: SparseRow, k: int, rng: Mt19937, greedy: bool) -> list[in
     return out
 
 
-def draft_tree(
-    rng: Mt19937,
-    branching: Sequence[int],
-    row_at: Callable[[list[int]], SparseRow],
-    greedy: bool,
-) -> Tree:
-    """Draft a tree breadth first: a position at depth d (the root is depth 0) gets
-    `branching[d]` children from `row_at(tokens on its path)`, positions in order; past the
-    last depth, none. `rng` advances by the drafting draws."""
+RowsAt = Callable[[list[int], list[int], list[int]], list[SparseRow]]
+"""rows_at(parents, tokens, positions): the draft rows at `positions` (all of one depth, in
+order) of the tree drafted so far (its nodes' parents and tokens)."""
+
+
+def draft_tree(rng: Mt19937, branching: Sequence[int], rows_at: RowsAt, greedy: bool) -> Tree:
+    """Draft a tree breadth first, one depth at a time: each position at depth d (the root
+    is depth 0) gets `branching[d]` children drawn from its row (fewer where the row's
+    support is smaller); past the last depth, none. One `rows_at` call a depth, so a draft
+    can evaluate a whole depth in one forward. `rng` advances by the drafting draws, in the
+    module note's order (positions of one depth come before the next depth's)."""
     parents: list[int] = []
     tokens: list[int] = []
-    rows: list[SparseRow | None] = []
-    depth = [0]  # per position
-    position = 0
-    while position <= len(tokens):
-        d = depth[position]
-        if d >= len(branching) or branching[d] <= 0:
-            rows.append(None)
-        else:
-            path = [] if position == 0 else [tokens[i] for i in _path(parents, position - 1)]
-            row = row_at(path)
-            rows.append(row)
-            for token in draw_children(row, branching[d], rng, greedy):
+    rows: dict[int, SparseRow] = {}
+    level = [0]
+    for k in branching:
+        if k <= 0 or not level:
+            break
+        deeper = []
+        for position, row in zip(level, rows_at(parents, tokens, level), strict=True):
+            rows[position] = row
+            for token in draw_children(row, k, rng, greedy):
                 parents.append(position - 1)
                 tokens.append(token)
-                depth.append(d + 1)
-        position += 1
-    return Tree(tuple(parents), tuple(tokens), tuple(rows))
+                deeper.append(len(tokens))
+        level = deeper
+    return Tree(tuple(parents), tuple(tokens), tuple(rows.get(v) for v in range(len(tokens) + 1)))
 
 
-def _path(parents: Sequence[int], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
+def per_path(row_at: Callable[[list[int]], SparseRow]) -> RowsAt:
+    """`rows_at` from a function of one position's path tokens (root's child first)."""
+
+    def rows_at(parents: list[int], tokens: list[int], positions: list[int]) -> list[SparseRow]:
+        out = []
+        for position in positions:
+            path, node = [], position - 1
+            while node >= 0:
+                path.append(tokens[node])
+                node = parents[node]
+            out.append(row_at(path[::-1]))
+        return out
+
+    return rows_at
 
 
 def replay_tree(state: Mt19937, tree: Tree, greedy: bool) -> Mt19937:

@@ -200,9 +200,10 @@ class TorchSequence:
         start = self.length
         rows = [start + 1 + i for i in path]
         if rows != list(range(start + 1, start + 1 + len(rows))):  # else already in place
-            for bufs in (self._keys, self._values):
-                for buf in bufs:
-                    buf[:, start + 1 : start + 1 + len(rows)] = buf[:, rows].clone()
+            with self.owner._torch.inference_mode():  # (the buffers are inference tensors)
+                for bufs in (self._keys, self._values):
+                    for buf in bufs:
+                        buf[:, start + 1 : start + 1 + len(rows)] = buf[:, rows].clone()
         self._tokens.extend([block[0], *(block[1 + i] for i in path)])
         self._block = None
 

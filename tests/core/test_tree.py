@@ -26,6 +26,7 @@ from muser.tree import (
     draft_tree,
     judge_tree,
     judge_tree_reference,
+    per_path,
     replay_tree,
 )
 from muser.verify import judge_round
@@ -57,7 +58,9 @@ def last_token(frontier: int, path: list[int]) -> int:
 
 def round_of(rng: Mt19937, frontier: int, branching, greedy: bool, target=TARGET, draft=DRAFT):
     """Draft a tree after `frontier` and the target's witness rows at its positions."""
-    tree = draft_tree(rng, branching, lambda path: draft[last_token(frontier, path)], greedy)
+    tree = draft_tree(
+        rng, branching, per_path(lambda path: draft[last_token(frontier, path)]), greedy
+    )
     ends = [frontier] + [tree.tokens[i] for i in range(tree.size)]
     witness = np.stack([target[t] for t in ends])
     return tree, witness

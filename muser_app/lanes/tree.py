@@ -1,0 +1,135 @@
+"""The local tree lane: draft and target in one process, each round a token tree (DESIGN.md
+§4.1, `muser.tree`) judged after one target forward.
+
+Per round, after the frontier f:
+  1. the draft drafts the tree breadth first, one forward a depth over the tree so far
+     (`TorchBackend.evaluate_tree` on its own sequence), its rows cut to q_top_k tokens
+     (at T = 0 the draft's top q_top_k by probability: greedy children are its best ones);
+  2. the target evaluates [f, every node] in one forward over its committed KV, each node
+     seeing only its ancestors;
+  3. `judge_tree` replays the drafting draws and walks the tree; the target keeps the
+     accepted path's KV (`keep_path`), the draft keeps what of it it evaluated and runs the
+     rest.
+A round emits the accepted path and the next frontier: `tokens_per_round` in the stats is
+tokens per target call. A round with no room for a draft (one token left) is a plain step.
+Both backends must evaluate trees (torch backends do)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from muser.backend import ModelBackend
+from muser.mt19937 import Mt19937
+from muser.round import DEFAULT_Q_TOP_K, clip_emission
+from muser.sampling import SamplingParams, draft_row, target_probs
+from muser.stats import LaneStats
+from muser.tree import Tree, draft_tree, judge_tree
+from muser.verify import judge_round
+from muser_app.lanes.result import GenerationResult
+
+
+def parse_branching(text: str) -> list[int]:
+    """ "3,2,1" -> [3, 2, 1]: children per position at each depth (root first)."""
+    try:
+        out = [int(part) for part in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(k < 1 for k in out):
+        raise ValueError(
+            f"a tree shape is children per depth, root first, each >= 1 (e.g. 3,2,1); got {text!r}"
+        )
+    return out
+
+
+def tree_nodes(branching: Sequence[int]) -> int:
+    """Most nodes a tree of this shape holds."""
+    total, level = 0, 1
+    for k in branching:
+        level *= k
+        total += level
+    return total
+
+
+def run_local_tree(
+    target: ModelBackend,
+    draft: ModelBackend,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    branching: Sequence[int],
+    q_top_k: int = DEFAULT_Q_TOP_K,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    for name, backend in (("target", target), ("draft", draft)):
+        if not hasattr(backend, "evaluate_tree"):
+            raise ValueError(
+                f"the tree lane needs a {name} that evaluates token trees (torch); "
+                f"{type(backend).__name__} does not"
+            )
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    branching = list(branching)
+    budget = tree_nodes(branching)
+    row_params = dataclasses.replace(params, temperature=1.0) if params.greedy else params
+    stats = LaneStats()
+    t_seq, d_seq = target.sequence(), draft.sequence()
+    if len(prompt) > 1:
+        t_seq.evaluate(list(prompt[:-1]))
+        d_seq.evaluate(list(prompt[:-1]))
+    rng = Mt19937.from_seed(params.seed)
+    frontier, out = int(prompt[-1]), []
+    block = [0]  # nodes in the draft's last tree block
+
+    def rows_at(parents: list[int], tokens: list[int], positions: list[int]):
+        logits = draft.evaluate_tree(d_seq, [frontier, *tokens], parents)
+        block[0] = len(tokens)
+        return [draft_row(logits[v], row_params, q_top_k) for v in positions]
+
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        remaining = params.max_tokens - len(out)
+        depth = min(len(branching), remaining - 1)
+        tree = draft_tree(rng.copy(), branching[:depth], rows_at, params.greedy) if depth else None
+        t1 = time.perf_counter()
+        if tree is None or tree.size == 0:  # a plain step: the bonus from the frontier's row
+            witness = target_probs(t_seq.evaluate([frontier]), params)
+            d_seq.evaluate([frontier])
+            decision = judge_round(rng, frontier, [], [], witness, greedy=params.greedy)
+            emitted, accepted, nodes = [decision.next_frontier], 0, 0
+        else:
+            logits = target.evaluate_tree(t_seq, [frontier, *tree.tokens], tree.parents)
+            witness = target_probs(logits, params)
+            decision = judge_tree(
+                rng, frontier, tree, witness, greedy=params.greedy, max_nodes=budget
+            )
+            t_seq.keep_path(decision.path)
+            _keep_draft(d_seq, tree, decision.path, block[0])
+            emitted, accepted, nodes = decision.emitted(tree), decision.accepted, tree.size
+        rng = decision.post_state
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        emission = clip_emission(emitted, len(out), params.max_tokens, params.stop_tokens)
+        stats.observe_round(nodes, accepted, len(emission.tokens))
+        out += emission.tokens
+        frontier = int(emitted[-1])
+        if on_tokens:
+            on_tokens(emission.tokens)
+        if emission.done:
+            break
+    stats.wall_s = time.perf_counter() - start
+    return GenerationResult("local-tree", "", out, len(prompt), stats)
+
+
+def _keep_draft(d_seq, tree: Tree, path: tuple[int, ...], in_block: int) -> None:
+    """The draft's KV after the round: the frontier and the accepted path. Its last tree
+    block held the nodes drafted before the deepest depth: keep what of the path is there,
+    evaluate the rest."""
+    held = [i for i in path if i < in_block]
+    d_seq.keep_path(held)
+    rest = [tree.tokens[i] for i in path[len(held) :]]
+    if rest:
+        d_seq.evaluate(rest)
