@@ -46,11 +46,10 @@ from muser.errors import (
     DraftZeroProbabilityError,
     RoundValidationError,
     RowCountError,
-    RowWidthError,
-    TokenOutOfVocabularyError,
 )
 from muser.mt19937 import Mt19937
 from muser.sampling import SparseRow, argmax_lowest, check_probability_rows, sample_ordered
+from muser.verify import argmax_reference, check_geometry, sample_ordered_reference
 
 
 class TreeTopologyError(RoundValidationError):
@@ -131,20 +130,8 @@ def validate_tree(
     if len(tree.q_rows) != n + 1:
         raise RowCountError(f"{n} nodes need {n + 1} draft rows (one per position), got "
                             f"{len(tree.q_rows)}")  # fmt: skip
-    if witness.ndim != 2 or witness.shape[0] != n + 1:
-        raise RowCountError(
-            f"{n} nodes need {n + 1} witness rows, got shape {tuple(witness.shape)}"
-        )
-    if witness.shape[1] != vocab_size:
-        raise RowWidthError(
-            f"witness rows must be {vocab_size} wide (the vocabulary), got {witness.shape[1]}"
-        )
     tokens = [("frontier", frontier)] + [(f"node {i}", t) for i, t in enumerate(tree.tokens)]
-    for name, token in tokens:
-        if not 0 <= int(token) < vocab_size:
-            raise TokenOutOfVocabularyError(
-                f"{name} token {int(token)} outside the vocabulary [0, {vocab_size})"
-            )
+    check_geometry(witness, n + 1, f"{n} nodes", vocab_size, tokens)
     for position, row in enumerate(tree.q_rows):
         kids = tree.children(position)
         if not kids:
@@ -260,6 +247,28 @@ def replay_tree(state: Mt19937, tree: Tree, greedy: bool) -> Mt19937:
 # --- judging -------------------------------------------------------------------------------
 
 
+Step = Callable[[int, list[int]], tuple[int | None, int]]
+"""step(position, its children) -> (the child taken, -1) or (None, the next frontier)."""
+
+
+def _walk(tree: Tree, rng: Mt19937, start: int, step: Step) -> TreeDecision:
+    """From the root, one `step` a position, until one gives the next frontier."""
+    path: list[int] = []
+    position = 0
+    while True:
+        taken, token = step(position, tree.children(position))
+        if taken is None:
+            return TreeDecision(tuple(path), token, rng, rng.draws - start)
+        path.append(taken)
+        position = taken + 1
+
+
+def _greedy_step(tree: Tree, kids: list[int], best: int) -> tuple[int | None, int]:
+    """Greedy: the child that is the target's argmax `best`, else `best` ends the round."""
+    taken = next((i for i in kids if int(tree.tokens[i]) == best), None)
+    return (taken, -1) if taken is not None else (None, best)
+
+
 def judge_tree(
     state: Mt19937,
     frontier: int,
@@ -274,69 +283,32 @@ def judge_tree(
     validate_tree(frontier, tree, witness, vocab, max_nodes)
     start = state.draws
     rng = replay_tree(state, tree, greedy)
-    path: list[int] = []
-    position = 0
-    while True:
-        kids = tree.children(position)
-        p_row = witness[position]
-        if not kids:  # the bonus
-            nxt = argmax_lowest(p_row) if greedy else sample_ordered(p_row, rng.uniform_f64())
-            return TreeDecision(tuple(path), nxt, rng, rng.draws - start)
+
+    def step(position: int, kids: list[int]) -> tuple[int | None, int]:
+        p = witness[position]
         if greedy:
-            best = argmax_lowest(p_row)
-            taken = next((i for i in kids if int(tree.tokens[i]) == best), None)
-            if taken is None:
-                return TreeDecision(tuple(path), best, rng, rng.draws - start)
-            path.append(taken)
-            position = taken + 1
-            continue
-        p, q = p_row, tree.q_rows[position].dense(vocab)
-        taken = None
+            return _greedy_step(tree, kids, argmax_lowest(p))
+        last, q = p, tree.q_rows[position].dense(vocab) if kids else None
         for i in kids:
             x = int(tree.tokens[i])
             u = rng.uniform_f64()
             if p[x] > 0.0 and u < p[x] / q[x]:  # a token with p = 0 is never accepted
-                taken = i
-                break
+                return i, -1
             residual = np.maximum(p - q, 0.0)
             if np.any(residual > 0.0):
-                p = residual / np.cumsum(residual)[-1]
-                last = residual
-            else:
-                last = p
+                p, last = residual / np.cumsum(residual)[-1], residual
             q = q.copy()
             q[x] = 0.0
             z = np.cumsum(q)[-1]
             if z > 0.0:
                 q = q / z
-        if taken is None:  # every child rejected: the next frontier from the residual
-            return TreeDecision(tuple(path), sample_ordered(last, rng.uniform_f64()), rng,
-                                rng.draws - start)  # fmt: skip
-        path.append(taken)
-        position = taken + 1
+        # every child rejected: the next frontier from the residual; no child: the bonus
+        return None, sample_ordered(last, rng.uniform_f64())
+
+    return _walk(tree, rng, start, step)
 
 
 # --- the slow float64 reference ------------------------------------------------------------
-
-
-def _sample_reference(weights: list[float], u: float) -> int:
-    total = 0.0
-    cumulative = []
-    for w in weights:
-        total += w
-        cumulative.append(total)
-    for index, c in enumerate(cumulative):
-        if c > u * total:
-            return index
-    return max(i for i, w in enumerate(weights) if w > 0.0)
-
-
-def _argmax_reference(row: list[float]) -> int:
-    best = 0
-    for i, v in enumerate(row):
-        if v > row[best]:
-            best = i
-    return best
 
 
 def _total(values: list[float]) -> float:
@@ -374,7 +346,7 @@ def judge_tree_reference(
                 ranked = sorted(range(len(ids)), key=lambda j: (-weights[j], ids[j]))
                 pick = ranked[kids.index(i)]
             else:
-                pick = _sample_reference(left, rng.uniform_f64())
+                pick = sample_ordered_reference(left, rng.uniform_f64())
                 left[pick] = 0.0
             if ids[pick] != int(tree.tokens[i]):
                 raise DraftMismatchError(
@@ -387,42 +359,25 @@ def judge_tree_reference(
             row_dense[t] = w / z
         dense.append(row_dense)
     rows = [[float(v) for v in r] for r in witness]
-    path: list[int] = []
-    position = 0
-    while True:
-        kids = [i for i, parent in enumerate(tree.parents) if parent == position - 1]
+
+    def step(position: int, kids: list[int]) -> tuple[int | None, int]:
         p = rows[position]
-        if not kids:
-            nxt = _argmax_reference(p) if greedy else _sample_reference(p, rng.uniform_f64())
-            return TreeDecision(tuple(path), nxt, rng, rng.draws - start)
         if greedy:
-            best = _argmax_reference(p)
-            taken = next((i for i in kids if int(tree.tokens[i]) == best), None)
-            if taken is None:
-                return TreeDecision(tuple(path), best, rng, rng.draws - start)
-            path.append(taken)
-            position = taken + 1
-            continue
-        q = list(dense[position])
-        taken, last = None, p
+            return _greedy_step(tree, kids, argmax_reference(p))
+        last, q = p, list(dense[position]) if kids else []
         for i in kids:
             x = int(tree.tokens[i])
             u = rng.uniform_f64()
             if p[x] > 0.0 and u < p[x] / q[x]:
-                taken = i
-                break
+                return i, -1
             residual = [max(pv - qv, 0.0) for pv, qv in zip(p, q, strict=True)]
             if any(r > 0.0 for r in residual):
                 z = _total(residual)
                 p, last = [r / z for r in residual], residual
-            else:
-                last = p
             q[x] = 0.0
             z = _total(q)
             if z > 0.0:
                 q = [v / z for v in q]
-        if taken is None:
-            return TreeDecision(tuple(path), _sample_reference(last, rng.uniform_f64()), rng,
-                                rng.draws - start)  # fmt: skip
-        path.append(taken)
-        position = taken + 1
+        return None, sample_ordered_reference(last, rng.uniform_f64())
+
+    return _walk(tree, rng, start, step)

@@ -54,6 +54,28 @@ class RoundDecision:
         return [*(int(t) for t in drafts[: self.accepted]), *self.decoded, self.next_frontier]
 
 
+def check_geometry(
+    witness: np.ndarray,
+    rows: int,
+    what: str,
+    vocab_size: int,
+    tokens: Sequence[tuple[str, int]],
+) -> None:
+    """`rows` witness rows, each `vocab_size` wide, for `what` (e.g. "4 drafts"); every
+    named token inside the vocabulary."""
+    if witness.ndim != 2 or witness.shape[0] != rows:
+        raise RowCountError(f"{what} need {rows} witness rows, got shape {tuple(witness.shape)}")
+    if witness.shape[1] != vocab_size:
+        raise RowWidthError(
+            f"witness rows must be {vocab_size} wide (the vocabulary), got {witness.shape[1]}"
+        )
+    for name, token in tokens:
+        if not 0 <= int(token) < vocab_size:
+            raise TokenOutOfVocabularyError(
+                f"{name} token {int(token)} outside the vocabulary [0, {vocab_size})"
+            )
+
+
 def validate_round(
     frontier: int,
     drafts: Sequence[int],
@@ -65,19 +87,10 @@ def validate_round(
     depth = len(drafts)
     if len(q_rows) != depth:
         raise RowCountError(f"{depth} drafts need {depth} draft rows, got {len(q_rows)}")
-    if witness.ndim != 2 or witness.shape[0] != depth + 1:
-        raise RowCountError(
-            f"{depth} drafts need {depth + 1} witness rows, got shape {tuple(witness.shape)}"
-        )
-    if witness.shape[1] != vocab_size:
-        raise RowWidthError(
-            f"witness rows must be {vocab_size} wide (the vocabulary), got {witness.shape[1]}"
-        )
-    for name, token in [("frontier", frontier)] + [(f"draft {i}", d) for i, d in enumerate(drafts)]:
-        if not 0 <= int(token) < vocab_size:
-            raise TokenOutOfVocabularyError(
-                f"{name} token {int(token)} outside the vocabulary [0, {vocab_size})"
-            )
+    check_geometry(
+        witness, depth + 1, f"{depth} drafts", vocab_size,
+        [("frontier", frontier)] + [(f"draft {i}", d) for i, d in enumerate(drafts)],
+    )  # fmt: skip
     for i, (token, row) in enumerate(zip(drafts, q_rows, strict=True)):
         row.validate(vocab_size, f"draft row {i}")
         if row.probability(int(token)) <= 0.0:
@@ -148,7 +161,7 @@ def judge_round(
 # --- the slow float64 reference ------------------------------------------------------------
 
 
-def _sample_ordered_reference(weights: list[float], u: float) -> int:
+def sample_ordered_reference(weights: list[float], u: float) -> int:
     total = 0.0
     cumulative = []
     for w in weights:
@@ -161,7 +174,7 @@ def _sample_ordered_reference(weights: list[float], u: float) -> int:
     return max(i for i, w in enumerate(weights) if w > 0.0)
 
 
-def _argmax_reference(row: list[float]) -> int:
+def argmax_reference(row: list[float]) -> int:
     best = 0
     for i, v in enumerate(row):
         if v > row[best]:
@@ -187,9 +200,9 @@ def judge_round_reference(
     for i, row in enumerate(q_rows):
         ids, weights = [int(t) for t in row.ids], [float(w) for w in row.weights]
         pick = (
-            _argmax_reference(weights)
+            argmax_reference(weights)
             if greedy
-            else _sample_ordered_reference(weights, rng.uniform_f64())
+            else sample_ordered_reference(weights, rng.uniform_f64())
         )
         if ids[pick] != int(drafts[i]):
             raise DraftMismatchError(
@@ -206,9 +219,9 @@ def judge_round_reference(
     rows = [[float(v) for v in r] for r in witness]
     for i, token in enumerate(int(d) for d in drafts):
         if greedy:
-            if token == _argmax_reference(rows[i]):
+            if token == argmax_reference(rows[i]):
                 continue
-            return RoundDecision(i, _argmax_reference(rows[i]), rng, rng.draws - start)
+            return RoundDecision(i, argmax_reference(rows[i]), rng, rng.draws - start)
         u = rng.uniform_f64()
         p, q = rows[i][token], q_dense[i][token]
         if p > 0.0 and u < p / q:
@@ -217,8 +230,8 @@ def judge_round_reference(
         if not any(r > 0.0 for r in residual):
             residual = rows[i]
         return RoundDecision(
-            i, _sample_ordered_reference(residual, rng.uniform_f64()), rng, rng.draws - start
+            i, sample_ordered_reference(residual, rng.uniform_f64()), rng, rng.draws - start
         )
     last = rows[len(drafts)]
-    nxt = _argmax_reference(last) if greedy else _sample_ordered_reference(last, rng.uniform_f64())
+    nxt = argmax_reference(last) if greedy else sample_ordered_reference(last, rng.uniform_f64())
     return RoundDecision(len(drafts), nxt, rng, rng.draws - start)

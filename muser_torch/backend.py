@@ -279,19 +279,7 @@ class TorchBackend(HeldTokens):
         captured: dict[int, np.ndarray] = {}
         hooks = [self._hook(i, captured) for i in layers]
         try:
-            with torch.inference_mode():
-                input_ids, position_ids = rows.to(self.device), positions.to(self.device)
-                mask = mask[:, None].to(self.device)
-                if self._lean is not None and not layers:
-                    logits = self._lean.logits(input_ids, position_ids, mask, cache)
-                else:
-                    logits = self._model(
-                        input_ids=input_ids,
-                        attention_mask=mask,
-                        position_ids=position_ids,
-                        use_cache=True,
-                        **{self._cache_kwarg: cache},
-                    ).logits
+            logits = self._logits(rows, positions, mask, cache, lean=not layers)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -324,21 +312,27 @@ class TorchBackend(HeldTokens):
         rows, positions, mask = tree_inputs(
             torch, seq.length, ids, parents, depths, self._mask_dtype, self._mask_lowest
         )
+        logits = self._logits(rows, positions, mask, cache)
+        seq._hold_block(ids)
+        return logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+
+    def _logits(self, rows, positions, mask, cache: BatchKv, lean: bool = True):
+        """One forward of token `rows` at `positions` under the additive `mask` (B, W, T),
+        through `cache`: the lean forward where it runs (`lean`: no hooks to feed), else
+        the transformers one."""
+        torch = self._torch
         with torch.inference_mode():
             input_ids, position_ids = rows.to(self.device), positions.to(self.device)
             mask = mask[:, None].to(self.device)
-            if self._lean is not None:
-                logits = self._lean.logits(input_ids, position_ids, mask, cache)
-            else:
-                logits = self._model(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    **{self._cache_kwarg: cache},
-                ).logits
-        seq._hold_block(ids)
-        return logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+            if self._lean is not None and lean:
+                return self._lean.logits(input_ids, position_ids, mask, cache)
+            return self._model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            ).logits
 
     def _inputs(self, seqs: list[TorchSequence], ids: list[list[int]], counts: list[int],
                 total: int):  # fmt: skip

@@ -6,7 +6,6 @@ distribution at T = 1, and every malformed tree refused before a draw."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from muser.tree import (
     replay_tree,
 )
 from muser.verify import judge_round
+from tests.lanes.test_joint_distribution import Z_BOUND, wilson_hilferty
 
 VOCAB = 4
 MAX_NODES = 64
@@ -159,9 +159,6 @@ def test_a_wider_greedy_tree_accepts_where_a_chain_does_not():
 # --- the target's exact joint distribution at T = 1 --------------------------------------------
 
 LENGTH = 3
-Z_BOUND = 5.0
-"""The chi-square statistic's Wilson-Hilferty normal score must stay under 5.0: a
-false-failure probability of about 2.9e-7 per case (the normal tail beyond 5 sigma)."""
 
 
 def exact_joint(frontier: int) -> dict[tuple[int, ...], float]:
@@ -172,10 +169,6 @@ def exact_joint(frontier: int) -> dict[tuple[int, ...], float]:
             p, prev = p * TARGET[prev][token], token
         joint[seq] = p
     return joint
-
-
-def wilson_hilferty(chi2: float, dof: int) -> float:
-    return ((chi2 / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
 
 
 @pytest.mark.parametrize("branching", [[2, 2], [3, 1, 1], [1, 3]])

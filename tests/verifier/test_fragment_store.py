@@ -18,7 +18,7 @@ import pytest
 from muser.records import RoundResult, close_message
 from muser.wire import muser_v2_pb2 as pb
 from tests.verifier.test_open import refused
-from tests.verifier.test_resume import PARAMS, SID, move, node, reference, start
+from tests.verifier.test_resume import PARAMS, SID, left_behind, move, node, reference, start
 
 pytestmark = pytest.mark.asyncio
 C = grpc.StatusCode
@@ -41,21 +41,29 @@ async def three_rounds_on_a(key_set, tmp_path, other):
     return a, client
 
 
+async def all_but_the_state(b, client, other):
+    """Point the session at B and resume there with every fragment but the MT state: B
+    refuses it, naming the state, and keeps the rest in its store. Returns the transcript's
+    chunk digests, every fragment, the resume point and what was sent."""
+    _, chunks, fragments = client.resume_point()
+    point = RoundResult.decode(client.results[-1].body)
+    sent = {d: data for d, data in fragments.items() if d != point.post_state_digest}
+    move(client, b, other[0].public_key())
+    details = await refused(
+        b, client.resume_session(fragments=sent), C.FAILED_PRECONDITION, "missing_fragments"
+    )
+    assert point.post_state_digest.hex()[:16] in details
+    await stored(b, sent)
+    return chunks, fragments, point, sent
+
+
 async def test_fragments_a_proposer_sent_survive_the_verifiers_restart(key_set, tmp_path, other):
     out, head = await reference(key_set, tmp_path)
     a, client = await three_rounds_on_a(key_set, tmp_path, other)
     b_config = node(key_set, tmp_path / "b", other, own="other")
     b = await start(key_set, b_config)
     try:
-        _, chunks, fragments = client.resume_point()
-        point = RoundResult.decode(client.results[-1].body)
-        sent = {d: data for d, data in fragments.items() if d != point.post_state_digest}
-        move(client, b, other[0].public_key())
-        details = await refused(
-            b, client.resume_session(fragments=sent), C.FAILED_PRECONDITION, "missing_fragments"
-        )
-        assert point.post_state_digest.hex()[:16] in details
-        await stored(b, sent)
+        chunks, fragments, point, sent = await all_but_the_state(b, client, other)
         await b.stop()
         b = await start(key_set, b_config)  # memory stage empty: the store answers
         move(client, b, other[0].public_key())
@@ -77,13 +85,7 @@ async def test_a_verifier_left_behind_is_asked_only_for_what_it_lacks(key_set, t
     a = await start(key_set, node(key_set, tmp_path / "a", other))
     b = await start(key_set, node(key_set, tmp_path / "b", other, own="other"))
     try:
-        client = a.client(PARAMS, session_id=SID)
-        await client.open_session()
-        await client.run(await client.attach(), rounds=2)
-        move(client, b, other[0].public_key())
-        await client.resume_session()
-        await client.run(await client.attach(), rounds=3)
-        move(client, a, key_set.verifier.public_key())
+        client = await left_behind(a, b, other, key_set)
         # A's store emptied: what A still has of the session is what it derives
         a.manager.fragments.store.gc((), now=time.time() + 1e6)
         assert a.manager.fragments.stored == 0
@@ -111,14 +113,7 @@ async def test_a_corrupt_stored_fragment_is_asked_for_again_and_healed(key_set, 
     b_config = node(key_set, tmp_path / "b", other, own="other")
     b = await start(key_set, b_config)
     try:
-        _, chunks, fragments = client.resume_point()
-        point = RoundResult.decode(client.results[-1].body)
-        move(client, b, other[0].public_key())
-        held = {d: v for d, v in fragments.items() if d != point.post_state_digest}
-        await refused(
-            b, client.resume_session(fragments=held), C.FAILED_PRECONDITION, "missing_fragments"
-        )
-        await stored(b, held)
+        chunks, fragments, point, _ = await all_but_the_state(b, client, other)
         await b.stop()
         victim = chunks[0].hex()
         path = b_config.verifier.wal_dir / "fragments" / "objects" / victim[:2] / victim

@@ -131,20 +131,26 @@ async def test_a_verifier_that_holds_the_round_reopens_without_resuming(key_set,
         await a.stop()
 
 
+async def left_behind(a, b, other, key_set):
+    """A session two rounds on A, then three on B, pointed back at A (three rounds behind)."""
+    client = a.client(PARAMS, session_id=SID)
+    await client.open_session()
+    await client.run(await client.attach(), rounds=2)
+    move(client, b, other[0].public_key())
+    await client.resume_session()
+    await client.run(await client.attach(), rounds=3)
+    move(client, a, key_set.verifier.public_key())
+    assert a.manager.replay.sessions[client.session_id].next_round == 2
+    return client
+
+
 async def test_a_verifier_left_behind_moves_to_the_resume_point(key_set, tmp_path, other):
     out, head = await reference(key_set, tmp_path)
     a_config = node(key_set, tmp_path / "a", other)
     a = await start(key_set, a_config)
     b = await start(key_set, node(key_set, tmp_path / "b", other, own="other"))
     try:
-        client = a.client(PARAMS, session_id=SID)
-        await client.open_session()
-        await client.run(await client.attach(), rounds=2)
-        move(client, b, other[0].public_key())
-        await client.resume_session()
-        await client.run(await client.attach(), rounds=3)
-        move(client, a, key_set.verifier.public_key())  # back to A, three rounds behind
-        assert a.manager.replay.sessions[client.session_id].next_round == 2
+        client = await left_behind(a, b, other, key_set)
         reply = await client.resume_session()
         assert reply.resumed and reply.next_round == 5 and reply.head == client.head
         await client.run(await client.attach())

@@ -1,0 +1,174 @@
+"""The tree admission screen (issue 33): tokens emitted per target call, and what one tree
+call costs against a one-token decode, for tree shapes of growing node counts against the
+chain at the same depth, greedy and T = 1, on one pair; all in one run on one machine.
+Writes a JSON receipt and a PNG.
+
+    python scripts/tree_screen.py --pair toy --prompts 4 --max-tokens 96 \\
+        --receipt docs/receipts/tree-screen-toy-session28.json --png docs/tree-screen-toy.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = ["1,1,1,1", "2,1,1,1", "4,1,1,1", "3,2,1,1", "4,2,1,1", "4,2,2,1", "4,3,2,1"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pair", default="toy", help="pair name (default toy)")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--shapes", nargs="+", default=SHAPES, help="children per depth, e.g. 3,2,1")
+    p.add_argument("--receipt", type=Path)
+    p.add_argument("--png", type=Path)
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from muser.sampling import SamplingParams
+    from muser_app.lanes.plain import run_plain
+    from muser_app.lanes.tree import parse_branching, run_local_tree, tree_nodes
+    from muser_app.pairs import pair_prompts, resolve
+    from muser_torch.backend import TorchBackend
+
+    torch.set_num_threads(1)
+    models = resolve(args.pair, "trained")
+    target, draft = TorchBackend(models.target), TorchBackend(models.draft)
+    tokenizer = AutoTokenizer.from_pretrained(str(models.target))
+    prompts = [
+        list(tokenizer.encode(t, add_special_tokens=False))
+        for t in pair_prompts(models.pair, args.prompts, tokenizer)
+    ]
+    forward = forward_costs(target, prompts[0], [parse_branching(x) for x in args.shapes])
+    rows = []
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=args.seed)
+        plain_s = plain_tokens = 0
+        for prompt in prompts:
+            target.reset()
+            got = run_plain(target, prompt, params)
+            plain_s, plain_tokens = plain_s + got.stats.wall_s, plain_tokens + len(got.tokens)
+        decode_s = plain_s / plain_tokens  # one-token decode, prompt prefill amortised in
+        for shape in args.shapes:
+            branching = parse_branching(shape)
+            emitted = calls = accepted = 0
+            verify_s = wall_s = 0.0
+            for prompt in prompts:
+                s = run_local_tree(target, draft, prompt, params, branching=branching).stats
+                emitted, calls, accepted = (
+                    emitted + s.emitted,
+                    calls + s.rounds,
+                    accepted + s.accepted,
+                )
+                verify_s, wall_s = verify_s + s.verify_s, wall_s + s.wall_s
+            rows.append({
+                "temperature": temperature, "shape": shape, "nodes": tree_nodes(branching),
+                "depth": len(branching), "tokens_per_call": emitted / calls,
+                "accepted_per_call": accepted / calls,
+                "forward_cost_vs_decode": forward[shape],
+                "round_cost_vs_decode": (verify_s / calls) / decode_s,
+                "tokens_per_s": emitted / wall_s, "plain_tokens_per_s": plain_tokens / plain_s,
+            })  # fmt: skip
+            r = rows[-1]
+            print(f"T={temperature} {shape:>9} nodes={r['nodes']:>3} tokens/call="
+                  f"{r['tokens_per_call']:.2f} forward/decode={r['forward_cost_vs_decode']:.2f} "
+                  f"round/decode={r['round_cost_vs_decode']:.2f} "
+                  f"lane/plain={r['tokens_per_s'] / r['plain_tokens_per_s']:.2f}", flush=True)  # fmt: skip
+    receipt = {
+        "what": "tree admission screen (scripts/tree_screen.py)",
+        "pair": models.pair, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        "seed": args.seed, "machine": platform.processor() or platform.machine(),
+        "threads": 1, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+    }  # fmt: skip
+    if args.receipt:
+        args.receipt.write_text(json.dumps(receipt, indent=1) + "\n")
+    if args.png:
+        plot(rows, models.pair, args.png)
+    return 0
+
+
+def forward_costs(target, prompt: list[int], shapes: list[list[int]], repeats: int = 15) -> dict:
+    """Per shape: the median wall of one target tree forward over the prompt's KV, over the
+    median wall of a one-token decode there (the tree's tokens do not move its cost)."""
+    import statistics
+
+    from muser_app.lanes.tree import tree_nodes
+
+    seq = target.sequence()
+    seq.evaluate(prompt)
+
+    def median_s(run) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def decode() -> None:
+        seq.evaluate([prompt[-1]])
+        seq.rollback(1)
+
+    one = median_s(decode)
+    out = {}
+    for branching in shapes:
+        n = tree_nodes(branching)
+        parents, level, nxt = [], [-1], []
+        for k in branching:
+            nxt = []
+            for parent in level:
+                for _ in range(k):
+                    parents.append(parent)
+                    nxt.append(len(parents) - 1)
+            level = nxt
+        tokens = [prompt[i % len(prompt)] for i in range(n + 1)]
+
+        def tree(parents=parents, tokens=tokens) -> None:
+            target.evaluate_tree(seq, tokens, parents)
+            seq.keep_path([])
+            seq.rollback(1)
+
+        out[",".join(map(str, branching))] = median_s(tree) / one
+    return out
+
+
+def plot(rows: list[dict], pair: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for temperature, style in ((0.0, "o-"), (1.0, "s--")):
+        mine = sorted(
+            (r for r in rows if r["temperature"] == temperature), key=lambda r: r["nodes"]
+        )
+        nodes = [r["nodes"] for r in mine]
+        left.plot(nodes, [r["tokens_per_call"] for r in mine], style, label=f"T = {temperature:g}")
+        right.plot(
+            nodes, [r["call_cost_vs_decode"] for r in mine], style, label=f"T = {temperature:g}"
+        )
+    left.set(xlabel="tree nodes (4 = the chain, D = 4)", ylabel="tokens emitted per target call",
+             title=f"{pair} pair: tokens per target call")  # fmt: skip
+    right.set(xlabel="tree nodes", ylabel="x one-token decode",
+              title="cost of one tree round (forward + judge)")  # fmt: skip
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
