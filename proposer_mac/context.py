@@ -153,6 +153,16 @@ class DriverContext:
         self.pool.moved_to(to.name)
         return records
 
+    async def move_on(self, s: ProposerSession, why: str) -> None:
+        """Move the session to the next verifier of the pool (`moved`), its records durable
+        before anything is sent there, and say so in the log."""
+        left, to = self.home(s), self.pool.next_after(s.home)
+        await self.log.append_many_async(self.moved(s, to))
+        log.warning(
+            "session %s round %d: moved from verifier %r to %r at epoch %d (%s)",
+            s.session_id.hex()[:8], s.next_round, left.name, to.name, s.epoch, why,
+        )  # fmt: skip
+
     async def fence(self, s: ProposerSession, left: Member) -> None:
         """Tell a verifier the session left its epoch there (an open at the session's
         epoch now), so it refuses the old one; retried until it answers, the session comes

@@ -483,14 +483,7 @@ class ProposerCore:
             except LinkDown as exc:
                 if not tries_left:
                     raise
-                left = self.context.home(session)
-                to = self.pool.next_after(session.home)
-                await self.log.append_many_async(self.context.moved(session, to))
-                log.warning(
-                    "session %s: verifier %r did not answer its open (%s); moved to %r at "
-                    "epoch %d", session.session_id.hex()[:8], left.name, exc, to.name,
-                    session.epoch,
-                )  # fmt: skip
+                await self.context.move_on(session, f"its open went unanswered: {exc}")
 
 
 SERVICE = "muser.v2.Proposer"

@@ -275,15 +275,9 @@ class SessionRunner:
         if loop.checked is not None:  # (none is pending while a request is in flight)
             await self._commit(loop.checked)
             loop.checked = None
-        left = core.home(s)
-        to = core.pool.next_after(s.home)
-        await core.log.append_many_async(core.moved(s, to))
+        await core.move_on(s, why)
         loop.on_wire, loop.down_since, loop.backoff = None, None, 0.05
         self.stats.moves += 1
-        log.warning(
-            "session %s round %d: moved from verifier %r to %r at epoch %d (%s)",
-            s.session_id.hex()[:8], s.next_round, left.name, to.name, s.epoch, why,
-        )  # fmt: skip
         self.fence_left()
 
     def fence_left(self) -> None:

@@ -31,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="children per depth, e.g. 3,2,1")
     p.add_argument("--receipt", type=Path)
     p.add_argument("--png", type=Path)
+    p.add_argument("--replot", type=Path, metavar="RECEIPT", help="only draw RECEIPT's rows")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        receipt = json.loads(args.replot.read_text())
+        plot(receipt["rows"], receipt["pair"], args.png)
+        return 0
 
     import torch
     from transformers import AutoTokenizer
@@ -156,13 +161,15 @@ def plot(rows: list[dict], pair: str, path: Path) -> None:
         )
         nodes = [r["nodes"] for r in mine]
         left.plot(nodes, [r["tokens_per_call"] for r in mine], style, label=f"T = {temperature:g}")
-        right.plot(
-            nodes, [r["call_cost_vs_decode"] for r in mine], style, label=f"T = {temperature:g}"
-        )
+        right.plot(nodes, [r["round_cost_vs_decode"] for r in mine], style,
+                   label=f"round (forward + judge), T = {temperature:g}")  # fmt: skip
+    mine = sorted((r for r in rows if r["temperature"] == 0.0), key=lambda r: r["nodes"])
+    right.plot([r["nodes"] for r in mine], [r["forward_cost_vs_decode"] for r in mine], "k^:",
+               label="target forward alone")  # fmt: skip
     left.set(xlabel="tree nodes (4 = the chain, D = 4)", ylabel="tokens emitted per target call",
              title=f"{pair} pair: tokens per target call")  # fmt: skip
-    right.set(xlabel="tree nodes", ylabel="x one-token decode",
-              title="cost of one tree round (forward + judge)")  # fmt: skip
+    right.set(xlabel="tree nodes", ylabel="x one-token decode (same T)",
+              title="cost of one tree call")  # fmt: skip
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
