@@ -74,6 +74,11 @@ def sessions_table(core: ProposerCore, limit: int = 100) -> list[dict]:
     return rows[-limit:]
 
 
+FINAL = (("muser-answer", "final"),)
+"""Trailing metadata of every refusal or failure Generate answers itself: the client takes
+it as the answer, not as a broken stream to reconnect (whatever its status code)."""
+
+
 class ProposerServicer(pb_grpc.ProposerServicer):
     def __init__(self, core: ProposerCore):
         self.core = core
@@ -88,6 +93,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                         grpc.StatusCode.NOT_FOUND,
                         f"unknown session {bytes(request.session_id).hex()} (a proposer "
                         "keeps the last limits.finished_sessions finished sessions)",
+                        trailing_metadata=FINAL,
                     )
             else:
                 runner = await core.new_session(request)
@@ -107,20 +113,22 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                     else grpc.StatusCode.INTERNAL
                 )
             core.stats.observe_refusal(refusal_reason(exc), code.name)
-            await context.abort(code, str(exc))
+            await context.abort(code, str(exc), trailing_metadata=FINAL)
         session = runner.session
         offset = request.offset
         if offset > len(session.emitted) and session.done:
             await context.abort(
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"offset {offset} beyond the {len(session.emitted)} tokens emitted",
+                trailing_metadata=FINAL,
             )
         sent = core.tokenizer.decode(session.emitted[:offset])  # the text before this stream
         while True:
             try:
                 tokens, done = await runner.wait_tokens(offset)
             except MuserError as exc:
-                await context.abort(getattr(exc, "code", grpc.StatusCode.INTERNAL), str(exc))
+                code = getattr(exc, "code", grpc.StatusCode.INTERNAL)
+                await context.abort(code, str(exc), trailing_metadata=FINAL)
             # an event's text = text(tokens through it) minus text(tokens before it): what a
             # client reconnecting at any offset also gets; one decode per event
             whole = core.tokenizer.decode(session.emitted[: offset + len(tokens)])

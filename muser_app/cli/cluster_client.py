@@ -181,7 +181,9 @@ def stream_generate(
                 break
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if not session_id or (code is not None and code not in RETRYABLE):
+                meta = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+                final = ("muser-answer", "final") in tuple(meta or ())  # the proposer's answer
+                if not session_id or final or (code is not None and code not in RETRYABLE):
                     raise _refusal(address, exc, code) from exc
                 outage.wait(exc)
     wall = time.perf_counter() - start

@@ -55,9 +55,16 @@ async def test_a_refusal_exits_2_with_what_was_wrong(
 
 
 @pytest.mark.asyncio
-async def test_a_failure_is_not_a_refusal(key_set, tmp_path):
+async def test_a_failure_is_not_a_refusal(key_set, tmp_path, monkeypatch):
     """Results signed by a key the proposer did not enrol: the session fails (INTERNAL or
-    the link's code), which is exit 3, not 2."""
+    the link's code), which is exit 3, not 2. The client knows the session's id from its
+    first event, yet takes the failure as the proposer's answer: it does not reconnect."""
+    from muser_app.cli import cluster_client
+
+    def reconnect(self, exc):
+        raise AssertionError(f"the client reconnected after the proposer's answer: {exc}")
+
+    monkeypatch.setattr(cluster_client._Outage, "wait", reconnect)
     c = await start(key_set, tmp_path, enrol_stranger=True)
     try:
         with pytest.raises(ClusterClientError) as err:
