@@ -47,7 +47,9 @@ def test_settle_collects_startup_garbage_then_freezes_what_survives(unfrozen):
     kept.other = kept
     frozen = heap.settle()
     assert dead() is None  # collected before the freeze, not frozen with the rest
-    assert frozen == gc.get_freeze_count() > 1000
+    # what settle froze is what the collector holds frozen, less any frozen object another
+    # thread of this test process freed meanwhile (a full suite run lost 2 of 534,203 so)
+    assert frozen > 1000 and 0 <= frozen - gc.get_freeze_count() <= 16
     # a full collection now walks what came after the freeze, not the frozen objects
     assert not any(o is kept for o in gc.get_objects(2))
     assert len(gc.get_objects(2)) < frozen / 10
