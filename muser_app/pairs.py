@@ -5,8 +5,10 @@
 - `toy`: the project's own small pair trained on the standard library's sources
   (`fixtures.build`), kept for the fast tests and as a control.
 
-Each pair offers draft kinds: `trained` (its draft checkpoint) and `ngram` (prompt lookup,
-no model: `proposer_mac.backends.ngram`, on the target's tokenizer). `--target/--draft DIR`
+Each pair offers draft kinds: `trained` (its independent draft checkpoint), `conditioned`
+(a draft reading the target's own hidden rows: `proposer_mac.backends.conditioned`, trained
+by `fixtures.conditioned`, built on first use) and `ngram` (prompt lookup, no model:
+`proposer_mac.backends.ngram`, on the target's tokenizer). `--target/--draft DIR`
 still override a pair's files. `$MUSER_PAIR` changes the default pair (the test suite runs
 on `toy` unless a test names `smollm2`).
 """
@@ -21,7 +23,7 @@ from muser.errors import RefusedError
 
 PAIR_ENV = "MUSER_PAIR"
 DEFAULT_PAIR = "smollm2"
-DRAFT_KINDS = ("trained", "ngram")
+DRAFT_KINDS = ("trained", "conditioned", "ngram")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,20 @@ def pair_trained_draft(name: str, *, progress: bool = True) -> Path:
     return build_smol_draft(pair_target(name, progress=progress), progress=progress)
 
 
+def conditioned_recipe(name: str):
+    from muser_app.fixtures.conditioned import SMOLLM2_RECIPE, TOY_RECIPE
+
+    return TOY_RECIPE if name == "toy" else SMOLLM2_RECIPE
+
+
+def pair_conditioned_draft(name: str, *, progress: bool = True) -> Path:
+    """The pair's conditioned draft checkpoint, built (or found in the cache)."""
+    from muser_app.fixtures.conditioned import build_conditioned
+
+    target = pair_target(name, progress=progress)
+    return build_conditioned(target, conditioned_recipe(name), progress=progress)
+
+
 def resolve(
     pair: str | None,
     draft_kind: str | None,
@@ -105,19 +121,34 @@ def resolve(
 ) -> PairModels:
     """The models a command runs: the pair's (default `default_pair_name()`), with --target
     and --draft overriding its files. Builds only what is used."""
+    from proposer_mac.backends.conditioned_meta import is_conditioned
+
     name = check_pair(pair) if pair is not None else default_pair_name()
     if draft_kind is not None:
         kind = check_draft_kind(draft_kind)
-    else:  # a --draft checkpoint is a trained draft
-        kind = "trained" if draft is not None else PAIRS[name].default_draft
+    elif draft is not None:  # a --draft checkpoint is what it declares itself
+        kind = "conditioned" if is_conditioned(draft) else "trained"
+    else:
+        kind = PAIRS[name].default_draft
     if kind == "ngram" and draft is not None:
         raise RefusedError(
             f"--draft {draft} names a checkpoint, but --draft-kind ngram runs no model; "
             "drop one of them"
         )
+    if draft is not None and (kind == "conditioned") != is_conditioned(draft):
+        what = "a conditioned draft" if is_conditioned(draft) else "not a conditioned draft"
+        raise RefusedError(f"--draft {draft} is {what}, but --draft-kind {kind} was given")
     target_dir = target if target is not None else pair_target(name, progress=progress)
     if kind == "ngram":
         draft_dir, backend = target_dir, "ngram"
+    elif kind == "conditioned":
+        backend = "conditioned"
+        if draft is not None:
+            draft_dir = draft
+        elif need_draft:
+            draft_dir = pair_conditioned_draft(name, progress=progress)
+        else:
+            draft_dir = target_dir
     elif draft is not None or not need_draft:
         draft_dir, backend = draft if draft is not None else target_dir, None
     else:
@@ -154,14 +185,17 @@ def describe(name: str, *, progress: bool = True) -> dict:
             "architecture": identity.architecture,
         }
 
+    from muser_app.fixtures.conditioned import find_conditioned
+
     trained = pair_trained_draft(name, progress=progress)
+    conditioned, _, built = find_conditioned(target, conditioned_recipe(name))
+    drafts = {"trained": entry(trained, model_identity(trained), True)}
+    if built:  # not built here: the real pair's takes minutes (`fixtures build --conditioned`)
+        drafts["conditioned"] = entry(conditioned, model_identity(conditioned), True)
     return {
         "about": PAIRS[name].about,
         "default": name == DEFAULT_PAIR,
         "default_draft": PAIRS[name].default_draft,
         "target": entry(target, model_identity(target), True),
-        "drafts": {
-            "trained": entry(trained, model_identity(trained), True),
-            "ngram": entry(target, NgramDraft(target).identity, False),
-        },
+        "drafts": {**drafts, "ngram": entry(target, NgramDraft(target).identity, False)},
     }

@@ -99,7 +99,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="cap the context the draft attends to at the last N tokens (default: uncapped)",
+        help="cap the context the draft attends to at the last N tokens (default: uncapped; "
+        "a conditioned draft: the window its checkpoint declares)",
+    )
+    g.add_argument(
+        "--capture-layers",
+        default=None,
+        metavar="I,J,K",
+        help="conditioned draft: read the target's rows at these decoder layers instead of the "
+        "ones its checkpoint declares (same count)",
+    )
+    g.add_argument(
+        "--feature-dtype",
+        default=None,
+        choices=["float16", "float32"],
+        help="conditioned draft: round the target's rows to this dtype instead of the one its "
+        "checkpoint declares",
     )
     g.add_argument(
         "--q-top-k",
@@ -213,10 +228,41 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
         backend = models.draft_backend or args.draft_backend or "torch"
         if backend == "ngram":
             overrides.pop("rope_theta", None)  # no model: nothing rotates (the target's does)
+        if backend == "conditioned":  # its positions and rotation are declared for the target
+            overrides = conditioned_overrides(args)
+        else:
+            refuse_conditioned_flags(args, models.draft_kind)
         draft = load_draft_backend(backend, draft_dir, window=args.draft_window, **overrides)
         require_shared_tokenizer(target.identity, draft.identity)
+        if backend == "conditioned":
+            draft.check_target(target.identity, f"--draft-kind conditioned ({draft_dir})")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     return OpenedModels(target, draft, tokenizer)
+
+
+def conditioned_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """--capture-layers and --feature-dtype, as the conditioned draft's constructor takes them."""
+    out: dict[str, object] = {}
+    text = getattr(args, "capture_layers", None)
+    if text is not None:
+        try:
+            out["capture_layers"] = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise RefusedError(
+                f"--capture-layers {text!r}: expected decoder layer ids like 2,14,27"
+            ) from None
+    if getattr(args, "feature_dtype", None) is not None:
+        out["feature_dtype"] = args.feature_dtype
+    return out
+
+
+def refuse_conditioned_flags(args: argparse.Namespace, kind: str) -> None:
+    """--capture-layers / --feature-dtype mean nothing to any other draft: refused, not ignored."""
+    given = [f for f in ("capture_layers", "feature_dtype") if getattr(args, f, None) is not None]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise RefusedError(f"{flags} received with the {kind} draft; they apply to "
+                           "--draft-kind conditioned only")  # fmt: skip
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -4,7 +4,13 @@ tokens for the same seed).
 
 A draft that batches (torch, `muser.backend.batches`) drafts on a sequence of its own, the
 KV a cluster session drafts on under lane.draft_batch: a session drafting alone there runs
-this very path, so its sampled text equals this lane's bit for bit."""
+this very path, so its sampled text equals this lane's bit for bit.
+
+A feature-conditioned draft (`proposer_mac.backends.conditioned`) reads the target's capture
+rows: the target is evaluated through a `CaptureTap`, every round hands the draft the rows
+of what it committed, and a round whose transcript the draft holds no rows for (the first:
+the prompt has not been read yet) drafts nothing: the target decodes one token, reading the
+prompt on the way, as a cluster session's first round does."""
 
 from __future__ import annotations
 
@@ -20,8 +26,28 @@ from muser.verify import judge_round
 from muser.width import FixedWidth, WidthPolicy
 from muser_app.lanes.result import GenerationResult
 from proposer_mac.drafting import Drafter
+from verifier_gx.capture import CaptureTap
 from verifier_gx.decode import decode_round
 from verifier_gx.executor import TargetExecutor
+
+
+class _Conditioning:
+    """The target's capture rows, carried to a conditioned draft after every round."""
+
+    def __init__(self, target: ModelBackend, draft) -> None:
+        draft.check_target(target.identity, "local lane")
+        self.tap = CaptureTap(target, draft.capture_layers)
+        self.draft = draft
+
+    def ready(self, transcript: Sequence[int]) -> bool:
+        """Whether the draft holds rows for everything before the frontier."""
+        return self.draft.features_known >= len(transcript) - 1
+
+    def carry(self) -> None:
+        """Hand the draft the rows of every committed position it lacks."""
+        first, end = self.draft.features_known, self.tap.length
+        if end > first:
+            self.draft.install_features(first, self.tap.rows(first, end))
 
 
 def run_local(
@@ -44,7 +70,11 @@ def run_local(
     width = FixedWidth(draft_len) if width is None else width
     stats = LaneStats()
     drafter = Drafter(draft.sequence() if batches(draft) else draft, params, q_top_k)
-    executor = TargetExecutor(target)
+    conditioning = None
+    if hasattr(drafter.cursor.backend, "install_features"):
+        conditioning = _Conditioning(target, drafter.cursor.backend)
+        drafter.cursor.hold([])  # claimed now: its features belong to this transcript alone
+    executor = TargetExecutor(conditioning.tap if conditioning else target)
     rng = Mt19937.from_seed(params.seed)
     transcript = [int(t) for t in prompt]
     out: list[int] = []
@@ -54,11 +84,14 @@ def run_local(
         t0 = time.perf_counter()
         remaining = params.max_tokens - len(out)
         depth = width.choose(remaining)
+        if conditioning is not None and not conditioning.ready(transcript):
+            depth = 0
         proposal = drafter.draft(transcript, rng, depth)
         t1 = time.perf_counter()
         depth = len(proposal.drafts)  # a draft may decline to propose (the n-gram draft)
         if depth == 0:  # a draftless round: the target decodes decode_len tokens itself
-            decoded = decode_round(executor, transcript, rng, width.decode_len(remaining), params)
+            k = 1 if conditioning is not None else width.decode_len(remaining)
+            decoded = decode_round(executor, transcript, rng, k, params)
             logits, accepted, emitted = decoded.logits, 0, decoded.tokens
             rng = decoded.post_state
         else:
@@ -70,6 +103,8 @@ def run_local(
             executor.settle(len(transcript), decision.accepted)
             accepted, emitted = decision.accepted, decision.emitted(proposal.drafts)
             rng = decision.post_state
+        if conditioning is not None:
+            conditioning.carry()
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

@@ -1,5 +1,6 @@
-"""Draft backends (DESIGN.md §8): `mlx` (Metal on a Mac, CPU elsewhere), `torch`, and the
-model-free `ngram` (prompt lookup; its path is the target's checkpoint).
+"""Draft backends (DESIGN.md §8): `mlx` (Metal on a Mac, CPU elsewhere), `torch`, the
+feature-conditioned `conditioned` (reads the target's capture rows), and the model-free
+`ngram` (prompt lookup; its path is the target's checkpoint).
 
 Backends are imported lazily, so a proposer without torch can still run the mlx draft.
 """
@@ -12,8 +13,8 @@ from typing import Literal
 from muser.backend import ModelBackend, check_options
 from muser.errors import UnknownBackendError
 
-DraftKind = Literal["mlx", "torch", "ngram"]
-DRAFT_KINDS: tuple[DraftKind, ...] = ("mlx", "torch", "ngram")
+DraftKind = Literal["mlx", "torch", "conditioned", "ngram"]
+DRAFT_KINDS: tuple[DraftKind, ...] = ("mlx", "torch", "conditioned", "ngram")
 
 
 def _draft_class(kind: str) -> type:
@@ -25,6 +26,10 @@ def _draft_class(kind: str) -> type:
         from proposer_mac.backends.torch_draft import TorchDraftBackend
 
         return TorchDraftBackend
+    if kind == "conditioned":
+        from proposer_mac.backends.conditioned import ConditionedDraft
+
+        return ConditionedDraft
     if kind == "ngram":
         from proposer_mac.backends.ngram import NgramDraft
 
@@ -50,9 +55,13 @@ def load_draft_backend(
     """Load the draft checkpoint at `path` on backend `kind`.
 
     `window` is `--draft-window N`: when given, every row attends only to the last N tokens
-    (`WindowedBackend`). Other options go to the backend's constructor.
+    (`WindowedBackend`; the conditioned draft takes it as an override of the window its
+    checkpoint declares). Other options go to the backend's constructor.
     """
     cls = _draft_class(kind)
+    if kind == "conditioned":
+        opts = {**opts, "window": window}
+        window = None
     check_options(cls, kind, opts)
     backend = cls(path, **opts)
     if window is None:

@@ -53,9 +53,11 @@ def test_vllm_target_without_vllm_installed_says_how_to_get_it(llama) -> None:
 
 @pytest.mark.parametrize("kind", ["vllm", "metal", "MLX"])
 def test_unknown_draft_kind_refused_listing_valid_kinds(kind: str, llama) -> None:
-    with pytest.raises(UnknownBackendError, match=rf"{kind!r}.*valid kinds are mlx, torch, ngram"):
+    with pytest.raises(
+        UnknownBackendError, match=rf"{kind!r}.*valid kinds are mlx, torch, conditioned, ngram"
+    ):
         load_draft_backend(kind, llama)
-    assert DRAFT_KINDS == ("mlx", "torch", "ngram")
+    assert DRAFT_KINDS == ("mlx", "torch", "conditioned", "ngram")
 
 
 def test_unknown_option_refused_listing_known_ones(llama) -> None:

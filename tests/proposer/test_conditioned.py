@@ -1,0 +1,276 @@
+"""The feature-conditioned draft (issue 32): what its checkpoint declares, that inference
+reads exactly what training taught (the carried frontier's geometry), the overrides, the
+refusals, and the local lane on the toy pair (greedy text equal to plain decode)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from muser.errors import InvalidOverrideError, ModelLoadError, RefusedError
+from muser.identity import model_identity
+from muser.sampling import SamplingParams
+from muser_app.fixtures import build_fixtures, natural_prompts
+from muser_app.fixtures.conditioned import TOY_RECIPE, corpus, read_target, unroll
+from muser_app.lanes.local import run_local
+from muser_app.lanes.plain import run_plain
+from muser_app.pairs import pair_conditioned_draft, resolve
+from muser_app.testing import make_tiny_checkpoint
+from muser_torch.backend import TorchBackend
+from proposer_mac.backends import load_draft_backend
+from proposer_mac.backends.conditioned import ConditionedDraft
+from proposer_mac.backends.conditioned_meta import read_spec
+from proposer_mac.backends.windowed import WindowedBackend
+from verifier_gx.capture import CaptureTap
+from verifier_gx.executor import TargetExecutor
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """(target dir, conditioned draft dir, tokenizer) of the toy pair."""
+    torch.set_num_threads(1)
+    target = build_fixtures(progress=False).natural.target
+    return (
+        target,
+        pair_conditioned_draft("toy", progress=False),
+        AutoTokenizer.from_pretrained(str(target)),
+    )
+
+
+@pytest.fixture(scope="module")
+def window(toy):
+    """One held-out window with the target's capture rows and its training-time passes."""
+    target, draft_dir, tokenizer = toy
+    spec = read_spec(draft_dir)
+    _, held = corpus(tokenizer, TOY_RECIPE)
+    feats, _, _ = read_target(target, held[:1], spec.capture_layers, TOY_RECIPE, False)
+    draft = ConditionedDraft(draft_dir)
+    with torch.no_grad():
+        passes = unroll(draft._engine.net, torch.tensor(held[:1]), feats, 3)
+    return held[0], feats[0].numpy(), [p[0].double().numpy() for p in passes]
+
+
+def layer_rows(spec, feats: np.ndarray, first: int, end: int) -> dict[int, np.ndarray]:
+    width = spec.target_hidden_size
+    return {
+        layer: feats[first:end, i * width : (i + 1) * width]
+        for i, layer in enumerate(spec.capture_layers)
+    }
+
+
+def test_the_checkpoint_declares_its_target_capture_layers_window_and_feature_dtype(toy) -> None:
+    target, draft_dir, _ = toy
+    meta = json.loads((draft_dir / "config.json").read_text())["muser_conditioned"]
+    identity = model_identity(target)
+    assert meta["target"]["model_digest"] == identity.model_digest
+    assert meta["target"]["tokenizer_digest"] == identity.tokenizer_digest
+    assert meta["capture_layers"] == [2, 4, 7]  # the toy target's 10 layers: low, mid, high
+    assert meta["window"] == TOY_RECIPE.seq_len
+    assert meta["feature_dtype"] == "float16"
+    draft = ConditionedDraft(draft_dir)
+    assert draft.capture_layers == (2, 4, 7)
+    assert draft.geometry.sliding_window == TOY_RECIPE.seq_len
+    assert draft.identity.tokenizer_digest == identity.tokenizer_digest
+
+
+def test_inference_reads_what_training_taught_at_the_carried_frontier(toy, window) -> None:
+    """Frontier at position t: the target's rows are known for 0..t-1 (not t: the frontier's
+    rows exist only once the next round evaluates it). The frontier's row is pass 0's; each
+    drafted token after it reads the draft's own output, as pass 1, 2 did in training; when
+    the target's rows for the accepted drafts arrive, the draft recomputes them as pass 0."""
+    _, draft_dir, _ = toy
+    tokens, feats, passes = window
+    draft = ConditionedDraft(draft_dir)
+    ids, t = draft._head_ids, 40
+    draft.install_features(0, layer_rows(draft.spec, feats, 0, t))
+    rows = draft.evaluate(tokens[: t + 1])
+    assert np.abs(rows[:, ids] - passes[0][: t + 1]).max() < 1e-4
+    step1 = draft.evaluate([tokens[t + 1]])[0]
+    assert np.abs(step1[ids] - passes[1][t]).max() < 1e-4
+    step2 = draft.evaluate([tokens[t + 2]])[0]
+    assert np.abs(step2[ids] - passes[2][t]).max() < 1e-4
+    assert np.isneginf(np.delete(step2, ids)).all()  # outside the reduced head: never drafted
+    draft.rollback(1)  # the round kept t+1; the target's rows for t and t+1 arrive
+    draft.install_features(t, layer_rows(draft.spec, feats, t, t + 2))
+    again = draft.evaluate([tokens[t + 2]])[0]
+    assert np.abs(again[ids] - passes[0][t + 2]).max() < 1e-4
+    assert np.abs(again[ids] - step2[ids]).max() > 1e-3  # really recomputed with real rows
+    # rewind, regenerate, same rows
+    draft.rollback(3)
+    redo = draft.evaluate(tokens[t : t + 3])
+    assert np.abs(redo[:, ids] - passes[0][t : t + 3]).max() < 1e-4
+
+
+def test_the_capture_tap_holds_only_committed_positions(toy) -> None:
+    """After a round settles, rows exist for the transcript minus its next frontier."""
+    target_dir, draft_dir, tokenizer = toy
+    tap = CaptureTap(TorchBackend(target_dir), (2, 4, 7))
+    executor = TargetExecutor(tap)
+    transcript = tokenizer.encode(natural_prompts(1)[0])[:30]
+    executor.witness_logits(transcript, [5, 6, 7])
+    executor.settle(len(transcript), 2)  # frontier + 2 accepted kept; next frontier emitted
+    next_transcript_len = len(transcript) + 2 + 1
+    assert tap.length == next_transcript_len - 1
+    assert tap.rows(0, tap.length)[4].shape == (tap.length, 128)
+    with pytest.raises(ValueError, match="the KV holds"):
+        tap.rows(0, tap.length + 1)
+
+
+def test_the_local_lane_emits_plain_decodes_greedy_text(toy) -> None:
+    target_dir, draft_dir, tokenizer = toy
+    target, draft = TorchBackend(target_dir), ConditionedDraft(draft_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    accepted = 0
+    for prompt in natural_prompts(4):
+        ids = tokenizer.encode(prompt)
+        target.reset()
+        plain = run_plain(target, ids, params).tokens
+        target.reset()
+        emissions: list[list[int]] = []
+        local = run_local(target, draft, ids, params, draft_len=5, on_tokens=emissions.append)
+        assert local.tokens == plain
+        assert len(emissions[0]) == 1  # the first round drafts nothing: it reads the prompt
+        assert max(map(len, emissions)) > 1
+        accepted += local.stats.accepted
+    assert accepted > 4 * 48 // 3  # it drafts from the rows it is handed
+
+
+def test_overrides_take_effect(toy, window) -> None:
+    _, draft_dir, _ = toy
+    tokens, feats, _ = window
+    declared = ConditionedDraft(draft_dir)
+    base = declared.evaluate(tokens[:100])
+
+    short = load_draft_backend("conditioned", draft_dir, window=8)
+    assert not isinstance(short, WindowedBackend) and short.spec.window == 8
+    rows = short.evaluate(tokens[:100])
+    assert np.abs(rows[:8] - base[:8]).max() < 1e-4  # same until the window bites
+    assert np.abs(rows[50:] - base[50:]).max() > 1e-2
+
+    tap = CaptureTap(TorchBackend(toy[0]), declared.capture_layers)
+    tap.evaluate(tokens[:60])  # float32 rows, as the target computes them
+
+    def with_features(**kw):
+        draft = ConditionedDraft(draft_dir, **kw)
+        draft.install_features(0, tap.rows(0, 60))
+        return draft, draft.evaluate(tokens[:61])
+
+    half, half_rows = with_features()
+    full, full_rows = with_features(feature_dtype="float32")
+    assert full.spec.feature_dtype == "float32"
+    assert 0 < np.abs(full_rows - half_rows)[np.isfinite(half_rows)].max() < 1e-1
+
+    moved = ConditionedDraft(draft_dir, capture_layers=(1, 5, 8))
+    assert moved.capture_layers == (1, 5, 8)
+    tap = CaptureTap(TorchBackend(toy[0]), moved.capture_layers)
+    tap.evaluate(tokens[:10])
+    assert sorted(tap.rows(0, 10)) == [1, 5, 8]
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"capture_layers": (1, 2)}, r"fuses 3 layers \(declared \[2, 4, 7\]\)"),
+        ({"capture_layers": (2, 4, 10)}, "the target has 10 layers"),
+        ({"capture_layers": (4, 2, 7)}, "distinct ascending"),
+        ({"window": 0}, "expected an integer ≥ 1"),
+        ({"feature_dtype": "int8"}, "expected one of"),
+    ],
+)
+def test_bad_overrides_are_refused(toy, kw, message) -> None:
+    with pytest.raises(InvalidOverrideError, match=message):
+        ConditionedDraft(toy[1], **kw)
+
+
+def test_a_draft_for_another_target_is_refused_naming_both(toy, tmp_path) -> None:
+    target_dir, draft_dir, _ = toy
+    other = make_tiny_checkpoint(tmp_path / "other", vocab_size=2048, hidden_size=128, layers=10)
+    draft = ConditionedDraft(draft_dir)
+    mine, theirs = read_spec(draft_dir).target.model_digest, model_identity(other).model_digest
+    with pytest.raises(RefusedError, match=f"trained for target {mine[:16]}.*is {theirs[:16]}"):
+        draft.check_target(model_identity(other), "session open")
+    with pytest.raises(RefusedError, match="local lane"):
+        run_local(TorchBackend(other), draft, [1, 2, 3], SamplingParams(temperature=0.0))
+
+
+def test_installing_features_refuses_what_does_not_fit(toy, window) -> None:
+    draft = ConditionedDraft(toy[1])
+    _, feats, _ = window
+    rows = layer_rows(draft.spec, feats, 0, 4)
+    with pytest.raises(RefusedError, match=r"missing \[7\]"):
+        draft.install_features(0, {k: v for k, v in rows.items() if k != 7})
+    with pytest.raises(RefusedError, match=r"expected \(4, 128\)"):
+        draft.install_features(0, {**rows, 7: rows[7][:, :64]})
+    with pytest.raises(RefusedError, match="next must start at or before 0"):
+        draft.install_features(2, rows)
+    assert draft.features_known == 0  # nothing half-applied
+    draft.install_features(0, rows)
+    draft.install_features(2, layer_rows(draft.spec, feats, 2, 6))  # overlap is fine
+    assert draft.features_known == 6
+
+
+def test_a_checkpoint_that_is_not_conditioned_is_refused(toy) -> None:
+    trained = build_fixtures(progress=False).natural.draft
+    with pytest.raises(ModelLoadError, match="not a conditioned draft"):
+        ConditionedDraft(trained)
+    with pytest.raises(RefusedError, match="is not a conditioned draft, but --draft-kind"):
+        resolve("toy", "conditioned", draft=trained, progress=False)
+    assert resolve("toy", None, draft=toy[1], progress=False).draft_backend == "conditioned"
+
+
+def test_conditioned_flags_are_refused_with_another_draft(capsys) -> None:
+    from muser_app.cli.main import main
+
+    code = main(["generate", "--pair", "toy", "--draft-kind", "trained", "--capture-layers",
+                 "1,2,3", "--prompt", "x", "--max-tokens", "2"])  # fmt: skip
+    assert code != 0
+    assert "--capture-layers received with the trained draft" in capsys.readouterr().err
+
+
+def test_the_mlx_runtime_computes_the_torch_rows(toy, window) -> None:
+    """Same weights, same features: every row within 1e-4, through real features, the
+    draft's own, a recompute and a rollback."""
+    _, draft_dir, _ = toy
+    tokens, feats, _ = window
+    drafts = [ConditionedDraft(draft_dir, runtime=r, device="cpu") for r in ("torch", "mlx")]
+    assert drafts[1].device_label == "conditioned:cpu" and drafts[1].runtime == "mlx"
+    rows: list[list[np.ndarray]] = [[], []]
+    for draft, out in zip(drafts, rows, strict=True):
+        draft.install_features(0, layer_rows(draft.spec, feats, 0, 30))
+        out.append(draft.evaluate(tokens[:31]))
+        out.append(draft.evaluate(tokens[31:34]))
+        draft.rollback(2)
+        draft.install_features(30, layer_rows(draft.spec, feats, 30, 32))
+        out.append(draft.evaluate(tokens[32:35]))
+    for a, b in zip(*rows, strict=True):
+        finite = np.isfinite(a)
+        assert (finite == np.isfinite(b)).all()
+        assert np.abs(a[finite] - b[finite]).max() < 1e-4
+
+
+def test_an_unknown_runtime_is_refused(toy) -> None:
+    with pytest.raises(
+        InvalidOverrideError, match=r"runtime 'jax' is not one of \('torch', 'mlx'\)"
+    ):
+        ConditionedDraft(toy[1], runtime="jax")
+
+
+def test_a_cluster_with_the_conditioned_draft_is_refused_until_the_stream_lands(
+    toy, tmp_path, capsys
+) -> None:
+    """The verifier does not carry capture rows to the proposer yet: config init and the
+    bench's cluster lanes say so, and nothing is written."""
+    from muser_app.cli.main import main
+
+    out = tmp_path / "cluster"
+    assert main(["config", "init", "--dir", str(out), "--pair", "toy", "--draft-kind",
+                 "conditioned"]) == 2  # fmt: skip
+    assert "runs in the local lane only so far" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["bench", "--pair", "toy", "--draft-kind", "conditioned", "--no-peers",
+                 "--prompts", "1", "--max-tokens", "4", "--repeats", "1"]) == 2  # fmt: skip
+    assert "--cluster-delays ''" in capsys.readouterr().err
