@@ -164,10 +164,12 @@ class ProposerNode(_Strict):
     draft: FilePath = Field(
         description="Draft checkpoint directory (same tokenizer as the target)."
     )
-    backend: Literal["torch", "mlx", "ngram"] = Field(
+    backend: Literal["torch", "mlx", "conditioned", "ngram"] = Field(
         "torch",
-        description="Draft backend: torch or mlx run the `draft` checkpoint; ngram is prompt "
-        "lookup with no model (`draft` is then the target's checkpoint, for its tokenizer).",
+        description="Draft backend: torch or mlx run the `draft` checkpoint; conditioned runs "
+        "a feature-conditioned draft checkpoint, which reads the target's capture rows "
+        "(docs/conditioned.md); ngram is prompt lookup with no model (`draft` is then the "
+        "target's checkpoint, for its tokenizer).",
     )
     dtype: Dtype = Field(
         "float32", description="Draft weights dtype (torch backend; mlx runs float32)."

@@ -23,6 +23,8 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_sent_ahead_total                  counter    requests sent on the round before's decision
     muser_ahead_void_total                  counter    of those, voided by a differing result
     muser_session_moves_total               counter    sessions moved to another pool verifier
+    muser_capture_bytes_total               counter    capture-row bytes results named (proposer)
+    muser_feature_install_seconds_total     counter    time handing them to the draft (proposer)
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
     muser_rounds_by_draft_len_total{draft_len} counter rounds per draft width D (lane.width)
@@ -420,6 +422,17 @@ _LANE_COUNTERS = (
         "Requests sent ahead and voided: the signed result of the round before "
         "differed from its early decision (proposer).",
         "ahead_void",
+    ),
+    (
+        "muser_capture_bytes",
+        "Capture-row fragment bytes the rounds' signed results named: a conditioned "
+        "draft's features (proposer).",
+        "capture_bytes",
+    ),
+    (
+        "muser_feature_install_seconds",
+        "Seconds spent handing capture rows to the conditioned draft (proposer).",
+        "feature_install_s",
     ),
 )
 """(name, help, LaneStats attribute) of the round counters."""

@@ -148,6 +148,11 @@ class LaneStats:
     """Times a session moved to another verifier of the pool (proposer_mac.pool)."""
     speculation_s: float = 0.0
     """Draft-thread wall spent speculating, off the critical path while rounds are away."""
+    capture_bytes: int = 0
+    """Capture-row fragment bytes the rounds' results named (a conditioned draft's features)."""
+    feature_install_s: float = 0.0
+    """Wall spent handing those rows to the draft (in the draft thread, behind any
+    speculation running there)."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
     """Per-round split, one histogram per phase this lane measures."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
@@ -203,7 +208,7 @@ class LaneStats:
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
             "queue_full_retries", "decisions_followed", "branch_hits", "sent_ahead",
-            "ahead_void", "moves",
+            "ahead_void", "moves", "capture_bytes", "feature_install_s",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -265,6 +270,11 @@ class LaneStats:
                 "sent_ahead": self.sent_ahead,
                 "ahead_void": self.ahead_void,
                 "seconds": round(self.speculation_s, 6),
+            },
+            "capture": {
+                "bytes": self.capture_bytes,
+                "bytes_per_round": round(self.capture_bytes / max(1, self.rounds), 1),
+                "install_s": round(self.feature_install_s, 6),
             },
             "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},
             "width": self.width,

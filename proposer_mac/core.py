@@ -70,10 +70,14 @@ class ProposerCore:
             opts = draft_options(p.backend, device=p.device, dtype=p.dtype)
             draft = load_draft_backend(p.backend, p.draft, **opts)
         self.draft = draft
+        self.capture_layers = session_capture_layers(config.lane, draft)
+        """The layers every session captures: a conditioned draft's own, else the lane's."""
         self.draft_batch = config.lane.draft_batch and batches(draft)
         """Sessions draft on sequences of `draft` and wait in the draft thread together."""
         self.draft_identity = _identity(draft.identity)
         self.target_identity = target_identity or _target_identity(config)
+        if self.target_identity is not None:
+            self.check_draft_target()
         self.target_context_length: int | None = _target_context_length(config)
         """The target's context window: from its files when they are on this machine, else
         as its verifier reports it (`ask_target_identity`)."""
@@ -105,6 +109,13 @@ class ProposerCore:
         """The summed stats of finished sessions forgotten beyond limits.finished_sessions."""
         self._tokenizer = tokenizer
         self._token_bytes: int | None = None
+
+    def check_draft_target(self) -> None:
+        """A conditioned draft reads only the target it was trained for: refused at start
+        against any other, naming both."""
+        from proposer_mac.backends.conditioned import pair_check
+
+        pair_check(self.draft, self.target_identity, "proposer start (verifier.target)")
 
     # ---- the journal and its failure --------------------------------------------------------
 
@@ -219,6 +230,8 @@ class ProposerCore:
         own = self.draft_batch or hasattr(self.draft, "fork")
         backend = draft_kv(self.draft, self.draft_batch)
         drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
+        if hasattr(backend, "install_features"):  # a conditioned draft: claimed before its
+            drafter.cursor.hold([])  # first rows arrive (a claim resets the KV, rows and all)
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
         self._forget_finished()
@@ -313,7 +326,7 @@ class ProposerCore:
                 js.epoch,
                 js.prompt,
                 js.draft_len,
-                session_width(self.config.lane, js.draft_len),
+                session_width(self.config.lane, js.draft_len, js.open.capture_layers),
             )
             session.homes = list(js.homes)
             for signed in js.committed:
@@ -418,8 +431,8 @@ class ProposerCore:
             self.draft_identity,
             self.key_id,
             draft_len,
-            tuple(self.config.lane.capture_layers),
-            width=session_width(lane, draft_len),
+            self.capture_layers,
+            width=session_width(lane, draft_len, self.capture_layers),
         )
         left = asyncio.Event()
         opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left, detached))
@@ -527,12 +540,24 @@ def draft_kv(draft, batch: bool):
     return draft.fork() if hasattr(draft, "fork") else draft
 
 
-def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
+def session_capture_layers(lane: Lane, draft) -> tuple[int, ...]:
+    """The layers a session captures: a conditioned draft reads the ones its checkpoint
+    declares (lane.capture_layers, when set, must name the same)."""
+    own = tuple(getattr(draft, "capture_layers", ()))
+    if own and lane.capture_layers and tuple(lane.capture_layers) != own:
+        raise RefusedError(
+            f"lane.capture_layers {list(lane.capture_layers)} received; the conditioned draft "
+            f"reads layers {list(own)}: drop lane.capture_layers or set it to those"
+        )
+    return own or tuple(lane.capture_layers)
+
+
+def session_width(lane: Lane, draft_len: int, capture_layers=()) -> WidthPolicy:
     """A session's width policy: fixed at the D it asked for, or (0: it asked for none) the
     lane's — `lane.width` within [draft_len_min, draft_len_max], starting at draft_len.
-    Draftless rounds decode `lane.decode_len` tokens, one when the lane captures hidden rows
-    (decode rounds carry no captures)."""
-    decode_len = 1 if lane.capture_layers else lane.decode_len
+    Draftless rounds decode `lane.decode_len` tokens, one when the session captures hidden
+    rows (a round's rows are those of what it commits, one forward)."""
+    decode_len = 1 if capture_layers or lane.capture_layers else lane.decode_len
     if draft_len:
         return FixedWidth(draft_len, decode_len)
     return width_policy(

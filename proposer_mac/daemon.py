@@ -76,6 +76,7 @@ async def create_server(
     core = ProposerCore(config, draft=draft, target_identity=target_identity, tokenizer=tokenizer)
     if core.target_identity is None:
         core.target_identity = await ask_target_identity(core, identity_timeout)
+        core.check_draft_target()
     server = grpc.aio.server(
         interceptors=[refuse_malformed()], options=server_options(config.limits)
     )

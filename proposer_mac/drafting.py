@@ -162,6 +162,8 @@ class Drafter:
         if stop is not None and stop.is_set():  # stopped before it began (D = 1 checks only here)
             raise Stopped
         cursor = cursor or self.cursor
+        if not getattr(cursor.backend, "ready", True):  # a conditioned draft before any rows
+            return Draft([], [])
         rng = state.copy()
         todo = cursor.prepare(transcript)
         row = (yield todo)[-1] if todo else cursor.last_row

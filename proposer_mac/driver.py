@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 
 from muser import faults, logs
+from muser.capture import result_rows
+from muser.errors import RefusedError
 from muser.records import Signed
 from muser.stats import LaneStats
 from muser.tasks import in_background
@@ -59,7 +61,7 @@ from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream, fenced
 from proposer_mac.send_ahead import SendAhead
-from proposer_mac.session import ProposerSession, SessionFailed
+from proposer_mac.session import ProposerSession, ResultRejected, SessionFailed
 from proposer_mac.speculating import Speculating
 
 log = logging.getLogger("muser.proposer")
@@ -301,6 +303,8 @@ class SessionRunner:
         (COMMITTED goes with its PREPARED, `_commit`)."""
         s = self.session
         result = s.check_result(s.prepared, signed, self.core.verifiers)
+        if s.open.capture_layers:  # before anything of the round is emitted
+            await self._take_captures(loop, result)
         tokens = s.apply(result)  # in memory only: clients see tokens once COMMITTED is durable
         s.last_result = signed  # the resume point once COMMITTED is durable (see _commit)
         s.width.observe(
@@ -335,6 +339,40 @@ class SessionRunner:
         elif loop.speculation is not None:
             loop.speculation.drop()
         loop.speculation = loop.in_flight = None
+
+    async def _take_captures(self, loop: _Loop, result) -> None:
+        """The capture rows the signed result names (muser.capture.result_rows: a fragment
+        corrupted or substituted fails the round, nothing of it emitted), handed to a
+        conditioned draft in the draft thread, behind any speculation running there. Rows that
+        do not continue what the draft holds (a restarted proposer's draft holds none), or that
+        did not come, are left: the next round's start again from position 0, the verifier's
+        first since the open."""
+        s = self.session
+        end = len(s.transcript) + len(result.emitted()) - 1  # the next frontier's position
+        fragments, loop.stream.captures = loop.stream.captures, {}
+        try:
+            got = result_rows(result.capture_digests, fragments, s.session_id, result.round,
+                              s.open.capture_layers, end)  # fmt: skip
+        except RefusedError as exc:
+            raise ResultRejected(f"round {result.round}: {exc}") from exc
+        if got is None:  # a result committed before a verifier restart: its rows are gone
+            log.info("session %s round %d: the result's capture rows did not come (committed "
+                     "before a verifier restart); the draft drafts on its own rows there",
+                     s.session_id.hex()[:8], result.round)  # fmt: skip
+            return
+        first, rows = got
+        self.stats.capture_bytes += sum(len(fragments[d]) for d in result.capture_digests)
+        backend = self.drafter.cursor.backend
+        if not hasattr(backend, "install_features"):
+            return
+
+        def install() -> None:
+            if first <= backend.features_known:
+                backend.install_features(first, rows)
+
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self.core.draft_pool, install)
+        self.stats.feature_install_s += time.perf_counter() - t0
 
     async def _finish(self, loop: _Loop) -> None:
         """The session ends: DONE durable (behind the last COMMITTED), the last round acked,

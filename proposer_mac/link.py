@@ -81,7 +81,10 @@ class RoundStream:
         self._writing = asyncio.Lock()
         """One write at a time: an ack may go while a round trip writes fragments."""
         self.captured_bytes = 0
-        """Capture-row fragment bytes received (hash-checked; no consumer keeps them yet)."""
+        """Capture-row fragment bytes received (hash-checked)."""
+        self.captures: dict[bytes, bytes] = {}
+        """The capture fragments that came with the last round trip's result, by digest
+        (muser.capture; the driver takes those its signed result names)."""
 
     async def attach(self) -> RoundStream:
         try:
@@ -131,6 +134,7 @@ class RoundStream:
         missing_fragments refusal once, return the result. `on_decision` hears the verifier's
         early decision on this round (unsigned: a hint)."""
         request = sent if sent is not None else await self.send(signed_request)
+        self.captures = {}
         if on_sent is not None:
             on_sent()
         sent_fragments = False
@@ -145,6 +149,7 @@ class RoundStream:
                         "a capture fragment does not hash to its digest",
                     )
                 self.captured_bytes += len(msg.fragment.data)
+                self.captures[msg.fragment.digest] = msg.fragment.data
             elif kind == "decision":
                 if on_decision is not None and msg.decision.round == request.round:
                     on_decision(msg.decision)

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from cluster_config.schema import Limits
 from muser.backend import ModelIdentity
-from muser.canonical import CanonicalError, Writer
+from muser.canonical import CanonicalError
 from muser.errors import (
     CaptureLayerError,
     ContextOverflowError,
@@ -196,7 +194,7 @@ def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int
     if k > 1 and state.open.capture_layers:
         raise DecodeLengthError(
             f"decode_len {k} received; session {sid} captures layers "
-            f"{list(state.open.capture_layers)}, and decode rounds carry no captures"
+            f"{list(state.open.capture_layers)}: its rounds decode one token at most"
         )
 
 
@@ -230,19 +228,3 @@ def check_drafts(
                 f"draft {i} token {token} has draft probability q = 0 in its row"
             )
     replay_drafts(state.mt, request.drafts, request.q_rows, state.params.greedy)
-
-
-def capture_fragment(
-    state: SessionState, request: RoundRequest, layer: int, rows: np.ndarray
-) -> tuple[bytes, bytes]:
-    """Hidden rows of one layer for the positions a round kept (frontier + accepted drafts):
-
-    "capture": session 16 | round u64 | layer u32 | first position u64 | rows u32 |
-               width u32 | blob of float32 little-endian values, row-major
-    """
-    rows = np.ascontiguousarray(rows, dtype="<f4")
-    width = rows.shape[1] if rows.ndim == 2 else 0
-    w = Writer("capture").raw(state.session_id, 16).u64(request.round).u32(layer)
-    w.u64(len(state.transcript) - 1).u32(rows.shape[0]).u32(width).blob(rows.tobytes())
-    data = w.bytes()
-    return sha256(data), data

@@ -16,12 +16,12 @@ import numpy as np
 
 from muser import keys
 from muser.backend import ModelBackend
+from muser.capture import encode_capture
 from muser.health import backend_failure
 from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
 from muser.sampling import target_probs
 from muser.stats import VerifierStats
 from muser.verify import RoundDecision, judge_round
-from verifier_gx.admission import capture_fragment
 from verifier_gx.decode import decode_batch, decode_decision
 from verifier_gx.executor import witness_each
 from verifier_gx.kvpool import KvPool
@@ -97,7 +97,11 @@ class RoundComputer:
         """Build the RoundResult, check it against the state and sign it."""
         state, request, digest = job.state, job.request, job.digest
         emitted = decision.emitted(request.drafts)
-        captures = [capture_fragment(state, request, layer, rows) for layer, rows in captured]
+        first, rows_by_layer = captured
+        captures = [
+            encode_capture(state.session_id, request.round, layer, first, rows)
+            for layer, rows in rows_by_layer
+        ]
         result = RoundResult(
             state.session_id,
             request.round,
@@ -146,9 +150,7 @@ class RoundComputer:
                 batched.append(i)
                 continue
             try:  # hidden rows are captured one round at a time
-                _, tokens = ex.prepare(transcript, job.request.drafts)
-                logits[i], captured[i] = ex.cursor.backend.evaluate_capture(tokens, layers)
-                ex.cursor.record(tokens, logits[i])
+                logits[i], captured[i] = capture_round(job, ex, layers)
             except Exception as exc:
                 ex.cursor.realign()
                 out[i] = exc
@@ -212,7 +214,7 @@ class RoundComputer:
         ]  # fmt: skip
         for i, decoded in zip(which, decode_batch(self.backend, work), strict=True):
             failed = isinstance(decoded, Exception)
-            out[i] = decoded if failed else (decode_decision(decoded, jobs[i].state.mt), [])
+            out[i] = decoded if failed else (decode_decision(decoded, jobs[i].state.mt), (0, []))
 
     def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
         state, request = job.state, job.request
@@ -226,5 +228,26 @@ class RoundComputer:
             greedy=state.params.greedy,
         )
         ex.settle(len(state.transcript), decision.accepted)
-        kept = decision.accepted + 1  # hidden rows of the frontier and the accepted drafts
-        return decision, [(layer, captured[layer][:kept]) for layer in sorted(captured)]
+        # rows from capture_from up to the next frontier (muser.capture): the positions not
+        # sent yet before the round, its frontier and its accepted drafts
+        first, end = state.capture_from, len(state.transcript) + decision.accepted
+        return decision, (
+            first,
+            [(layer, captured[layer][: end - first]) for layer in sorted(captured)],
+        )
+
+
+def capture_round(job: RoundJob, ex, layers: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """A round of a session that captures: one forward evaluates every position whose rows
+    the proposer lacks (from `capture_from`: after an open, the whole transcript again)
+    through the round's frontier and drafts. Returns the round's witness rows and each
+    layer's rows from position `capture_from` on."""
+    state, request = job.state, job.request
+    kept = state.transcript[:-1]
+    start = min(ex.cursor.reusable(kept), state.capture_from)
+    ex.cursor.hold(kept[:start])
+    tokens = [*kept[start:], request.frontier, *request.drafts]
+    rows, captured = ex.cursor.backend.evaluate_capture(tokens, layers)
+    ex.cursor.record(tokens, rows)
+    skip = state.capture_from - start
+    return rows[len(kept) - start :], {layer: c[skip:] for layer, c in captured.items()}

@@ -100,6 +100,10 @@ class SessionState:
     done: bool = False
     committed: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     """round -> (request digest, Signed(RoundResult) bytes)."""
+    capture_from: int = 0
+    """The first position whose capture rows the proposer has not been sent since the session
+    was last opened here (muser.capture): 0 after every open, the next frontier's position
+    after each round. Not durable: an open after a restart starts again from 0."""
 
     @classmethod
     def fresh(cls, entry: OpenEntry) -> SessionState:

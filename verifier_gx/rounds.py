@@ -225,6 +225,7 @@ class Rounds:
                 f"session {short(state.session_id)} moved during round {request.round}"
             )
         tokens = state.apply_round(result, digest, signed, post)
+        state.capture_from = len(state.transcript) - 1  # sent up to the next frontier
         for d, data in captures:
             self.sessions.fragments.put(d, data, (state.session_id, request.round), counted=False)
         if state.done:  # a finished session only answers retries, from the log

@@ -400,8 +400,10 @@ class SessionManager:
         return state.committed.get(point.round) == (point.request_digest, resume)
 
     def _reply(self, state: SessionState, resumed: bool = False) -> OpenReply:
-        """The answer to an open (new, again or resumed): the session is in use."""
+        """The answer to an open (new, again or resumed): the session is in use, and its next
+        round's capture rows start from position 0 (the proposer may have lost them)."""
         self.mark_used(state.session_id)
+        state.capture_from = 0
         return OpenReply(
             state.session_id,
             state.open.genesis_head(),

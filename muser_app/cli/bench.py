@@ -254,11 +254,6 @@ def _run_lanes(args: argparse.Namespace) -> int:
         args.draft_backend = args.draft_backend or "torch"
     else:
         pair, name = _pair(args)
-    if args.draft_backend == "conditioned" and (delays or variants):
-        from muser.errors import RefusedError
-        from muser_app.cli.config import CLUSTER_NOT_CONDITIONED
-
-        raise RefusedError(f"{CLUSTER_NOT_CONDITIONED}; run the bench with --cluster-delays ''")
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
     texts = (
         [periodic_prompt()] * args.prompts

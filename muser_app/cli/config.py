@@ -235,8 +235,6 @@ def init_cluster(
     )  # fmt: skip
     target, draft = models.target, models.draft
     draft_backend = models.draft_backend or draft_backend or "torch"
-    if draft_backend == "conditioned":
-        raise RefusedError(CLUSTER_NOT_CONDITIONED)
     for flag, model in (("--target", target), ("--draft", draft)):
         if not (Path(model) / "config.json").is_file():
             raise RefusedError(
@@ -283,13 +281,6 @@ NGRAM_FLOOR = 0.1
 how often its proposals hold depends on the text (about 0.23 on the toy pair's stdlib
 prompts at D=4, docs/benchmarks.md), so 0.25 would refuse a lookup that works; a broken one
 accepts nearly nothing."""
-
-
-CLUSTER_NOT_CONDITIONED = (
-    "--draft-kind conditioned runs in the local lane only so far: a cluster's verifier does "
-    "not yet carry the capture rows it reads to the proposer (issue 32); choose --draft-kind "
-    "trained or ngram for a cluster"
-)
 
 
 def _floor(draft_backend: str) -> dict[str, object]:

@@ -8,8 +8,8 @@ this very path, so its sampled text equals this lane's bit for bit.
 
 A feature-conditioned draft (`proposer_mac.backends.conditioned`) reads the target's capture
 rows: the target is evaluated through a `CaptureTap`, every round hands the draft the rows
-of what it committed, and a round whose transcript the draft holds no rows for (the first:
-the prompt has not been read yet) drafts nothing: the target decodes one token, reading the
+of what it committed. Until it has been handed any (the first round: the prompt has not been
+read yet) the draft is not `ready` and declines: the target decodes one token, reading the
 prompt on the way, as a cluster session's first round does."""
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ class _Conditioning:
         draft.check_target(target.identity, "local lane")
         self.tap = CaptureTap(target, draft.capture_layers)
         self.draft = draft
-
-    def ready(self, transcript: Sequence[int]) -> bool:
-        """Whether the draft holds rows for everything before the frontier."""
-        return self.draft.features_known >= len(transcript) - 1
 
     def carry(self) -> None:
         """Hand the draft the rows of every committed position it lacks."""
@@ -84,8 +80,6 @@ def run_local(
         t0 = time.perf_counter()
         remaining = params.max_tokens - len(out)
         depth = width.choose(remaining)
-        if conditioning is not None and not conditioning.ready(transcript):
-            depth = 0
         proposal = drafter.draft(transcript, rng, depth)
         t1 = time.perf_counter()
         depth = len(proposal.drafts)  # a draft may decline to propose (the n-gram draft)

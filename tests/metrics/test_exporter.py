@@ -250,3 +250,17 @@ def test_proposer_exports_its_pool_counters(tmp_path):
     assert got[("muser_fragment_bytes_sent_total", ())] == 4096.0
     assert got[("muser_sessions_by_verifier", (("verifier", "a"),))] == 1.0
     assert got[("muser_sessions_by_verifier", (("verifier", "b"),))] == 0.0
+
+
+def test_proposer_exports_its_capture_counters(tmp_path):
+    """A conditioned draft's features: the bytes results named, the time installing them."""
+    lane = LaneStats()
+    lane.capture_bytes, lane.feature_install_s = 6912, 0.25
+    view = DaemonView("proposer", "p", lane, DaemonStats(), 1, 0, tmp_path, lane.clock())
+    got = samples(exposition(lambda: view))
+    assert got[("muser_capture_bytes_total", ())] == 6912.0
+    assert got[("muser_feature_install_seconds_total", ())] == 0.25
+    other = LaneStats()
+    other.capture_bytes = 100
+    lane.merge(other)  # the proposer sums its sessions
+    assert lane.capture_bytes == 7012 and lane.to_dict()["capture"]["bytes"] == 7012

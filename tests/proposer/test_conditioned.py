@@ -257,20 +257,3 @@ def test_an_unknown_runtime_is_refused(toy) -> None:
         InvalidOverrideError, match=r"runtime 'jax' is not one of \('torch', 'mlx'\)"
     ):
         ConditionedDraft(toy[1], runtime="jax")
-
-
-def test_a_cluster_with_the_conditioned_draft_is_refused_until_the_stream_lands(
-    toy, tmp_path, capsys
-) -> None:
-    """The verifier does not carry capture rows to the proposer yet: config init and the
-    bench's cluster lanes say so, and nothing is written."""
-    from muser_app.cli.main import main
-
-    out = tmp_path / "cluster"
-    assert main(["config", "init", "--dir", str(out), "--pair", "toy", "--draft-kind",
-                 "conditioned"]) == 2  # fmt: skip
-    assert "runs in the local lane only so far" in capsys.readouterr().err
-    assert not out.exists()
-    assert main(["bench", "--pair", "toy", "--draft-kind", "conditioned", "--no-peers",
-                 "--prompts", "1", "--max-tokens", "4", "--repeats", "1"]) == 2  # fmt: skip
-    assert "--cluster-delays ''" in capsys.readouterr().err

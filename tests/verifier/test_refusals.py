@@ -402,8 +402,9 @@ async def test_decode_rounds_emit_exactly_their_singleton_rounds(verifier):
 
 
 async def test_a_capturing_session_decodes_one_token_a_round(verifier):
-    """Decode rounds carry no captures (this fake target cannot capture at all, so the rule
-    is checked on a copy of a live session's state that says it captures layer 0)."""
+    """A capturing round's rows are those of what it commits in one forward, so it decodes
+    one token at most (this fake target cannot capture at all, so the rule is checked on a
+    copy of a live session's state that says it captures layer 0)."""
     from muser.errors import DecodeLengthError
     from verifier_gx.admission import check_decode
 
@@ -411,7 +412,9 @@ async def test_a_capturing_session_decodes_one_token_a_round(verifier):
     state = copy.copy(verifier.manager.state(client.session_id))
     state.open = dataclasses.replace(state.open, capture_layers=(0,))
     request = undrafted(client.draft_request(), 2)
-    with pytest.raises(DecodeLengthError, match=r"captures layers \[0\], and decode rounds"):
+    with pytest.raises(
+        DecodeLengthError, match=r"captures layers \[0\]: its rounds decode one token at most"
+    ):
         check_decode(state, request, 8)
     check_decode(state, undrafted(client.draft_request(), 1), 8)  # one token a round is fine
 

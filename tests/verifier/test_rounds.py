@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from muser import keys
-from muser.canonical import Reader
+from muser.capture import result_rows
 from muser.records import RoundResult, SessionOpen, Signed, sha256
 from muser.sampling import SamplingParams
 from muser.wire import convert
@@ -135,29 +135,33 @@ async def test_duplicated_and_reordered_fragments_are_absorbed(verifier):
 
 
 async def test_capture_rows_arrive_as_fragments_named_by_the_result(key_set, tmp_path):
+    """Each layer's rows, float16, for every position committed since the session was last
+    opened here, up to the next frontier (whose rows do not exist yet): from position 0 (the
+    prompt) in the first round, from the round's frontier after that, from 0 again after a
+    reopen (muser/capture.py)."""
     v = await Verifier(make_config(key_set, tmp_path / "wal"), key_set, CaptureBackend).start()
     try:
         client = v.client(SAMPLED, capture_layers=(1, 0))
         await client.open_session()
         stream = await client.attach()
-        for _ in range(3):
+        for i in range(4):
+            if i == 3:  # the proposer comes back: its draft may have lost every row
+                await stream.close()
+                await client.open_session()
+                stream = await client.attach()
             request = client.draft_request()
-            position = len(client.transcript) - 1
+            first = 0 if i in (0, 3) else len(client.transcript) - 1
             msg, fragments = await stream.round_trip(client.sign(request))
             result = client.accept(request, msg)
+            end = len(client.transcript) - 1  # the next frontier's position
             assert [f.digest for f in fragments] == list(result.capture_digests)
             assert len(fragments) == 2
-            for layer, f in enumerate(fragments):
-                assert sha256(f.data) == f.digest
-                r = Reader(f.data, "capture")
-                assert r.raw(16) == client.session_id and r.u64() == result.round
-                assert r.u32() == layer and r.u64() == position
-                rows, width = r.u32(), r.u32()
-                assert (rows, width) == (result.accepted + 1, CaptureBackend.hidden)
-                got = np.frombuffer(r.blob(), dtype="<f4").reshape(rows, width)
-                kept = [request.frontier, *request.drafts[: result.accepted]]
-                expected = [[layer, position + i, t] for i, t in enumerate(kept)]
-                np.testing.assert_array_equal(got, np.array(expected, dtype=np.float32))
+            rows = result_rows(result.capture_digests, {f.digest: f.data for f in fragments},
+                               client.session_id, result.round, (0, 1), end)  # fmt: skip
+            assert rows[0] == first
+            for layer in (0, 1):
+                expected = [[layer, p, client.transcript[p]] for p in range(first, end)]
+                np.testing.assert_array_equal(rows[1][layer], np.array(expected, np.float32))
         await stream.close()
     finally:
         await v.stop()
