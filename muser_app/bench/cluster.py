@@ -57,7 +57,9 @@ def cluster_lanes(
             draft=None if draft_backend == "ngram" else draft_dir,
             draft_backend=draft_backend,
             draft_len=draft_len,
-            draft_kind="ngram" if draft_backend == "ngram" else "trained",
+            draft_kind={"ngram": "ngram", "conditioned": "conditioned"}.get(
+                draft_backend, "trained"
+            ),
         )
         if draft_range is not None:
             lo, hi = draft_range
