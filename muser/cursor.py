@@ -42,7 +42,8 @@ class KvCursor:
         self.last_row: np.ndarray | None = None
         """Logits after the last cached token (None when unknown, e.g. after a rollback)."""
 
-    def _claim(self) -> None:
+    def claim(self) -> None:
+        """Make the backend's cache this cursor's (reset, if another shaped it last)."""
         if owner(self.backend) is not self:
             self.backend.reset()
             self.tokens = []
@@ -81,7 +82,7 @@ class KvCursor:
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached tokens."""
-        self._claim()
+        self.claim()
         drop = len(self.tokens) - length
         if drop > 0:
             self.backend.rollback(drop)
@@ -92,7 +93,7 @@ class KvCursor:
         """Evaluate `tokens` after the cache; returns their rows (n, V) float64."""
         if not tokens:
             return np.zeros((0, self.backend.vocab_size))
-        self._claim()
+        self.claim()
         rows = self.backend.evaluate([int(t) for t in tokens])
         self.tokens.extend(int(t) for t in tokens)
         self.last_row = rows[-1]
@@ -122,7 +123,7 @@ class KvCursor:
 
     def hold(self, tokens: Sequence[int]) -> None:
         """Make the cache hold exactly `tokens` (possibly none); no row is needed."""
-        self._claim()
+        self.claim()
         self.truncate(self._common_prefix(tokens))
         if len(tokens) > len(self.tokens):
             self.extend(tokens[len(self.tokens) :])
@@ -138,7 +139,7 @@ class KvCursor:
         Empty when the cache holds `tokens` and `last_row` is their row."""
         if not tokens:
             raise ValueError("cannot sync a cursor to an empty token list")
-        self._claim()
+        self.claim()
         common = self._common_prefix(tokens)
         if common == len(tokens) == len(self.tokens) and self.last_row is not None:
             return []

@@ -230,8 +230,6 @@ class ProposerCore:
         own = self.draft_batch or hasattr(self.draft, "fork")
         backend = draft_kv(self.draft, self.draft_batch)
         drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
-        if hasattr(backend, "install_features"):  # a conditioned draft: claimed before its
-            drafter.cursor.hold([])  # first rows arrive (a claim resets the KV, rows and all)
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
         self._forget_finished()

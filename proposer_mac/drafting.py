@@ -118,6 +118,17 @@ class Drafter:
         may have moved it."""
         self._can_branch: bool | None = None  # `can_branch`, once asked
 
+    def install_features(self, first: int, rows) -> None:
+        """Hand a conditioned draft (`proposer_mac.backends.conditioned`) the target's capture
+        rows from position `first`. The cursor claims its backend first: a claim resets the
+        KV, rows and all, so one made at the next draft would drop them. Rows that do not
+        continue what the draft holds (a restarted draft holds none) are left: the verifier's
+        first round after an open sends them from position 0 again."""
+        backend = self.cursor.backend
+        self.cursor.claim()
+        if first <= backend.features_known:
+            backend.install_features(first, rows)
+
     def draft(
         self,
         transcript: Sequence[int],

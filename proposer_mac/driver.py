@@ -343,10 +343,9 @@ class SessionRunner:
     async def _take_captures(self, loop: _Loop, result) -> None:
         """The capture rows the signed result names (muser.capture.result_rows: a fragment
         corrupted or substituted fails the round, nothing of it emitted), handed to a
-        conditioned draft in the draft thread, behind any speculation running there. Rows that
-        do not continue what the draft holds (a restarted proposer's draft holds none), or that
-        did not come, are left: the next round's start again from position 0, the verifier's
-        first since the open."""
+        conditioned draft in the draft thread, behind any speculation running there
+        (`Drafter.install_features`). Rows that did not come leave the draft on its own rows;
+        the next round's start again from position 0, the verifier's first since the open."""
         s = self.session
         end = len(s.transcript) + len(result.emitted()) - 1  # the next frontier's position
         fragments, loop.stream.captures = loop.stream.captures, {}
@@ -362,16 +361,11 @@ class SessionRunner:
             return
         first, rows = got
         self.stats.capture_bytes += sum(len(fragments[d]) for d in result.capture_digests)
-        backend = self.drafter.cursor.backend
-        if not hasattr(backend, "install_features"):
+        if not hasattr(self.drafter.cursor.backend, "install_features"):
             return
-
-        def install() -> None:
-            if first <= backend.features_known:
-                backend.install_features(first, rows)
-
         t0 = time.perf_counter()
-        await asyncio.get_running_loop().run_in_executor(self.core.draft_pool, install)
+        install = self.drafter.install_features
+        await asyncio.get_running_loop().run_in_executor(self.core.draft_pool, install, first, rows)
         self.stats.feature_install_s += time.perf_counter() - t0
 
     async def _finish(self, loop: _Loop) -> None:

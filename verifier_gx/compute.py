@@ -243,11 +243,9 @@ def capture_round(job: RoundJob, ex, layers: list[int]) -> tuple[np.ndarray, dic
     through the round's frontier and drafts. Returns the round's witness rows and each
     layer's rows from position `capture_from` on."""
     state, request = job.state, job.request
-    kept = state.transcript[:-1]
-    start = min(ex.cursor.reusable(kept), state.capture_from)
-    ex.cursor.hold(kept[:start])
-    tokens = [*kept[start:], request.frontier, *request.drafts]
+    _, tokens = ex.prepare(state.transcript, request.drafts, redo_from=state.capture_from)
     rows, captured = ex.cursor.backend.evaluate_capture(tokens, layers)
     ex.cursor.record(tokens, rows)
-    skip = state.capture_from - start
-    return rows[len(kept) - start :], {layer: c[skip:] for layer, c in captured.items()}
+    start = len(ex.cursor.tokens) - len(tokens)  # the position of tokens[0]
+    skip, round_ = state.capture_from - start, len(tokens) - 1 - len(request.drafts)
+    return rows[round_:], {layer: c[skip:] for layer, c in captured.items()}

@@ -74,13 +74,19 @@ class TargetExecutor:
         self.cursor.hold(transcript[:-1])
         return self.cursor.extend([transcript[-1], *drafts])
 
-    def prepare(self, transcript: Sequence[int], drafts: Sequence[int]) -> tuple[int, list[int]]:
+    def prepare(
+        self, transcript: Sequence[int], drafts: Sequence[int], redo_from: int | None = None
+    ) -> tuple[int, list[int]]:
         """Hold transcript[:-1]; return (tokens re-evaluated to get there, the round's tokens
-        [frontier, *drafts] still to evaluate)."""
+        [frontier, *drafts] still to evaluate). `redo_from`: hold at most the first
+        `redo_from` tokens instead, the rest of transcript[:-1] coming first in the tokens
+        returned (a capturing round evaluates again what it must send rows of)."""
         kept = transcript[:-1]
         reused = self.cursor.reusable(kept)
-        self.cursor.hold(kept)
-        return len(kept) - reused, [int(transcript[-1]), *(int(d) for d in drafts)]
+        start = len(kept) if redo_from is None else min(reused, redo_from)
+        self.cursor.hold(kept[:start])
+        again = [int(t) for t in kept[start:]]
+        return len(kept) - reused, [*again, int(transcript[-1]), *(int(d) for d in drafts)]
 
     def settle(self, transcript_len: int, accepted: int) -> None:
         """Keep the KV of the frontier and the accepted drafts; drop the rest."""

@@ -34,16 +34,16 @@ from verifier_gx.executor import TargetExecutor
 class _Conditioning:
     """The target's capture rows, carried to a conditioned draft after every round."""
 
-    def __init__(self, target: ModelBackend, draft) -> None:
-        draft.check_target(target.identity, "local lane")
-        self.tap = CaptureTap(target, draft.capture_layers)
-        self.draft = draft
+    def __init__(self, target: ModelBackend, drafter: Drafter) -> None:
+        self.draft, self.drafter = drafter.cursor.backend, drafter
+        self.draft.check_target(target.identity, "local lane")
+        self.tap = CaptureTap(target, self.draft.capture_layers)
 
     def carry(self) -> None:
         """Hand the draft the rows of every committed position it lacks."""
         first, end = self.draft.features_known, self.tap.length
         if end > first:
-            self.draft.install_features(first, self.tap.rows(first, end))
+            self.drafter.install_features(first, self.tap.rows(first, end))
 
 
 def run_local(
@@ -68,8 +68,8 @@ def run_local(
     drafter = Drafter(draft.sequence() if batches(draft) else draft, params, q_top_k)
     conditioning = None
     if hasattr(drafter.cursor.backend, "install_features"):
-        conditioning = _Conditioning(target, drafter.cursor.backend)
-        drafter.cursor.hold([])  # claimed now: its features belong to this transcript alone
+        conditioning = _Conditioning(target, drafter)
+        drafter.cursor.claim()  # now: a draft reused from another run drops that run's rows
     executor = TargetExecutor(conditioning.tap if conditioning else target)
     rng = Mt19937.from_seed(params.seed)
     transcript = [int(t) for t in prompt]
