@@ -46,6 +46,15 @@ class DraftMismatchError(RoundValidationError):
     """The replayed draft draws do not select the drafts the request declares."""
 
 
+class TreeTopologyError(RoundValidationError):
+    """A tree round whose parents, siblings, size or accepted path no round can carry."""
+
+
+class TreeUnsupportedError(RefusedError):
+    """A tree round sent where trees are not judged (a verifier whose target does not
+    evaluate token trees, or a session that captures hidden rows)."""
+
+
 class InvalidSamplingParamsError(RefusedError):
     """Temperature < 0, top-p outside (0, 1], top-k < 0, max tokens < 1, ..."""
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from muser.canonical import Reader, Writer
+from muser.canonical import CanonicalError, Reader, Writer, domain_of
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, SparseRow
+from muser.tree import Tree, check_path, tree_draws
 
 TRANSCRIPT_CHUNK = 256
 """Tokens per transcript fragment: old chunks never change, so only the tail travels."""
@@ -171,10 +172,27 @@ class RoundRequest:
     """Tokens a round without drafts asks the verifier to sample itself, one target step and
     one draw each, stopping early at a stop token: `decode_len` singleton rounds in one
     (verifier-side decode). 1 for every round with drafts."""
+    parents: tuple[int, ...] = ()
+    """A tree round (DESIGN.md §4.1, muser.tree): each draft node's parent (-1: the root,
+    the frontier), and `q_rows` holds one row per position with children, in position
+    order. Empty for a chain. A tree request is its own domain ("tree-round-request"), so
+    a peer that knows only chains refuses its bytes and never reads it as one."""
+
+    @property
+    def is_tree(self) -> bool:
+        return bool(self.parents)
+
+    def tree(self) -> Tree:
+        """The tree a tree round carries (RowCountError when its rows do not fit)."""
+        return Tree.from_wire(self.parents, self.drafts, self.q_rows)
 
     def encode(self) -> bytes:
-        w = Writer("round-request").raw(self.session_id, 16).u64(self.round).u64(self.epoch)
-        w.raw(self.expected_head, 32).u32(self.frontier).u32s(self.drafts).u32(len(self.q_rows))
+        w = Writer(TREE_REQUEST if self.parents else "round-request").raw(self.session_id, 16)
+        w.u64(self.round).u64(self.epoch).raw(self.expected_head, 32).u32(self.frontier)
+        w.u32s(self.drafts)
+        if self.parents:
+            w.u32s(_shifted(self.parents, 1))
+        w.u32(len(self.q_rows))
         for row in self.q_rows:
             w.u32s(np.asarray(row.ids)).f64s(np.asarray(row.weights))
         w.raw(self.pre_state_digest, 32).blobs(self.transcript_digests).text(self.proposer_key_id)
@@ -182,15 +200,38 @@ class RoundRequest:
 
     @classmethod
     def decode(cls, data: bytes) -> RoundRequest:
-        r = Reader(data, "round-request")
+        tree = domain_of(data) == TREE_REQUEST
+        r = Reader(data, TREE_REQUEST if tree else "round-request")
         head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.u32(), tuple(r.u32s()))
+        parents = _tree_parents(r) if tree else ()
         rows = tuple(SparseRow(r.u32_array(), r.f64_array()) for _ in range(r.u32()))
-        out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text(), r.u32())
+        out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text(), r.u32(), parents)
         r.end()
         return out
 
     def digest(self) -> bytes:
         return sha256(self.encode())
+
+
+TREE_REQUEST, TREE_RESULT, TREE_RECORD = (
+    "tree-round-request",
+    "tree-round-result",
+    "tree-round-record",
+)
+"""The domains of a tree round's records: a chain's keep theirs, byte for byte."""
+
+
+def _shifted(values: Sequence[int], by: int) -> list[int]:
+    return [int(v) + by for v in values]
+
+
+def _tree_parents(r: Reader) -> tuple[int, ...]:
+    """A tree record's parents (written shifted by one: the root's -1 as 0); a tree record
+    with no node is not canonical (its chain has its own domain)."""
+    parents = tuple(_shifted(r.u32s(), -1))
+    if not parents:
+        raise CanonicalError("a tree round record names no node; a chain has its own domain")
+    return parents
 
 
 @dataclass(frozen=True)
@@ -211,31 +252,50 @@ class RoundResult:
     verifier_key_id: str
     decoded: tuple[int, ...] = ()
     """A decode round's tokens before its next frontier (empty for a round with drafts)."""
+    parents: tuple[int, ...] = ()
+    """A tree round's topology, as its request carried it (empty for a chain)."""
+    path: tuple[int, ...] = ()
+    """A tree round's accepted nodes, root's child first (`accepted` is their count)."""
+
+    @property
+    def is_tree(self) -> bool:
+        return bool(self.parents)
 
     def _body(self, w: Writer) -> Writer:
+        if self.path and not self.parents:
+            raise CanonicalError(f"a chain round result has no path, got {list(self.path)}")
         w.raw(self.session_id, 16).u64(self.round).u64(self.epoch).raw(self.prev_head, 32)
-        w.raw(self.request_digest, 32).u32(self.frontier).u32s(self.drafts).u32(self.accepted)
+        w.raw(self.request_digest, 32).u32(self.frontier).u32s(self.drafts)
+        if self.parents:
+            w.u32s(_shifted(self.parents, 1)).u32s(self.path)
+        w.u32(self.accepted)
         w.u32s(self.decoded).u32(self.next_frontier).raw(self.post_state_digest, 32)
         w.raw(self.transcript_digest, 32).blobs(self.capture_digests)
         return w
 
     def record_bytes(self) -> bytes:
         """The round record the head chains over (no head, no signer)."""
-        return self._body(Writer("round-record")).bytes()
+        return self._body(Writer(TREE_RECORD if self.parents else "round-record")).bytes()
 
     def expected_head(self) -> bytes:
         return sha256(self.prev_head + self.record_bytes())
 
     def encode(self) -> bytes:
         """What the verifier signs."""
-        w = self._body(Writer("round-result"))
+        w = self._body(Writer(TREE_RESULT if self.parents else "round-result"))
         return w.raw(self.head, 32).text(self.verifier_key_id).bytes()
 
     @classmethod
     def decode(cls, data: bytes) -> RoundResult:
-        r = Reader(data, "round-result")
+        tree = domain_of(data) == TREE_RESULT
+        r = Reader(data, TREE_RESULT if tree else "round-result")
         head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.raw(32), r.u32(), tuple(r.u32s()))
+        parents, path = (_tree_parents(r), tuple(r.u32s())) if tree else ((), ())
         accepted, decoded = r.u32(), tuple(r.u32s())
+        if tree and accepted != len(path):
+            raise CanonicalError(
+                f"a tree round result accepts {accepted} nodes along a path of {len(path)}"
+            )
         out = cls(
             *head,
             accepted,
@@ -246,12 +306,26 @@ class RoundResult:
             r.raw(32),
             r.text(),
             decoded,
+            parents,
+            path,
         )
         r.end()
         return out
 
     def emitted(self) -> list[int]:
+        """The tokens the round emits: its accepted drafts (a tree's along its path), any
+        decoded tokens, then the next frontier."""
+        if self.parents:
+            return [*(self.drafts[i] for i in self.path), *self.decoded, self.next_frontier]
         return [*self.drafts[: self.accepted], *self.decoded, self.next_frontier]
+
+    def draws(self, greedy: bool) -> int:
+        """The uniform_f64 draws this round consumed (DESIGN.md §4, §4.1); a tree round's
+        path must be one of its topology (`muser.tree.check_path`, TreeTopologyError)."""
+        if self.parents:
+            check_path(self.parents, self.path)
+            return tree_draws(self.parents, self.path, greedy)
+        return draws_for_round(len(self.drafts), self.accepted, greedy, len(self.emitted()))
 
 
 @dataclass(frozen=True)

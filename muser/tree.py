@@ -44,16 +44,18 @@ import numpy as np
 from muser.errors import (
     DraftMismatchError,
     DraftZeroProbabilityError,
-    RoundValidationError,
     RowCountError,
+    TokenOutOfVocabularyError,
+    TreeTopologyError,
 )
 from muser.mt19937 import Mt19937
 from muser.sampling import SparseRow, argmax_lowest, check_probability_rows, sample_ordered
 from muser.verify import argmax_reference, check_geometry, sample_ordered_reference
 
 
-class TreeTopologyError(RoundValidationError):
-    """A tree whose parents, siblings or size no round can carry."""
+def branching_positions(parents: Sequence[int]) -> list[int]:
+    """The positions (0: the root, i + 1: node i) some node names as its parent, ascending."""
+    return sorted({int(p) + 1 for p in parents if -1 <= int(p) < len(parents)})
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,34 @@ class Tree:
             node = self.parents[node]
         return out[::-1]
 
+    def branching_positions(self) -> list[int]:
+        """The positions with children, ascending: those that carry a draft row."""
+        return branching_positions(self.parents)
+
+    def wire_rows(self) -> tuple[SparseRow, ...]:
+        """The draft rows as a request carries them: one per position with children, in
+        position order (a position without children has none to send)."""
+        return tuple(self.q_rows[v] for v in self.branching_positions())  # type: ignore[misc]
+
+    @classmethod
+    def from_wire(
+        cls, parents: Sequence[int], tokens: Sequence[int], rows: Sequence[SparseRow]
+    ) -> Tree:
+        """A tree from a request's topology, node tokens and `wire_rows`; refused when the
+        rows are not one per position with children (topology checks: `validate_request`)."""
+        positions = branching_positions(parents)
+        if len(rows) != len(positions):
+            raise RowCountError(
+                f"a tree whose positions {positions} have children needs {len(positions)} "
+                f"draft rows, got {len(rows)}"
+            )
+        at = dict(zip(positions, rows, strict=True))
+        return cls(
+            tuple(int(p) for p in parents),
+            tuple(int(t) for t in tokens),
+            tuple(at.get(v) for v in range(len(tokens) + 1)),
+        )
+
     @classmethod
     def chain(cls, drafts: Sequence[int], q_rows: Sequence[SparseRow]) -> Tree:
         """The linear round's drafts as a one-branch tree (the last position has no row)."""
@@ -107,16 +137,14 @@ class TreeDecision:
         return len(self.path)
 
 
-def validate_tree(
-    frontier: int, tree: Tree, witness: np.ndarray, vocab_size: int, max_nodes: int
-) -> None:
-    """Every topology, geometry and value check, before a single draw."""
-    n = tree.size
-    if len(tree.parents) != n:
-        raise TreeTopologyError(f"{n} tree tokens need {n} parents, got {len(tree.parents)}")
+def check_topology(parents: Sequence[int], n: int, max_nodes: int) -> None:
+    """`parents` is a topology of `n` nodes a round can carry: 1 to `max_nodes` nodes, each
+    parent the root (-1) or an earlier node (so no cycle and no orphan can be written)."""
+    if len(parents) != n:
+        raise TreeTopologyError(f"{n} tree tokens need {n} parents, got {len(parents)}")
     if not 1 <= n <= max_nodes:
         raise TreeTopologyError(f"a tree has 1 to {max_nodes} nodes (the node budget), got {n}")
-    for i, parent in enumerate(tree.parents):
+    for i, parent in enumerate(parents):
         if not -1 <= parent < n:
             raise TreeTopologyError(
                 f"node {i}: parent {parent} is no node (an orphan); expected -1 (the root) or "
@@ -127,11 +155,51 @@ def validate_tree(
                 f"node {i}: parent {parent} is not an earlier node; parents come before their "
                 "children, so a tree has no cycle"
             )
+
+
+def check_path(parents: Sequence[int], path: Sequence[int]) -> None:
+    """`path` is an accepted path of the topology: the root's child first, each node the
+    child of the one before."""
+    above = -1
+    for node in path:
+        if not 0 <= node < len(parents) or parents[node] != above:
+            raise TreeTopologyError(
+                f"accepted path {list(path)}: node {node} is not a child of "
+                f"{'the root' if above < 0 else f'node {above}'}"
+            )
+        above = node
+
+
+def tree_draws(parents: Sequence[int], path: Sequence[int], greedy: bool) -> int:
+    """uniform_f64 draws a tree round consumes (the module note's order): one a node while
+    drafting; judging, at each position of the path one a child tried up to the one taken,
+    at the last position one a child (all rejected), then one for the next frontier. None
+    when greedy. `path` must be a path of `parents` (`check_path`)."""
+    if greedy:
+        return 0
+    draws, position = len(parents), 0
+    for node in path:
+        kids = [i for i, p in enumerate(parents) if p == position - 1]
+        draws += kids.index(node) + 1
+        position = node + 1
+    return draws + sum(1 for p in parents if p == position - 1) + 1
+
+
+def validate_request(frontier: int, tree: Tree, vocab_size: int, max_nodes: int) -> None:
+    """Every topology and draft-row check a tree round's request can be refused on, before
+    its witness rows exist and before a single draw."""
+    n = tree.size
+    check_topology(tree.parents, n, max_nodes)
     if len(tree.q_rows) != n + 1:
         raise RowCountError(f"{n} nodes need {n + 1} draft rows (one per position), got "
                             f"{len(tree.q_rows)}")  # fmt: skip
-    tokens = [("frontier", frontier)] + [(f"node {i}", t) for i, t in enumerate(tree.tokens)]
-    check_geometry(witness, n + 1, f"{n} nodes", vocab_size, tokens)
+    for what, token in [("frontier", frontier)] + [
+        (f"node {i}", t) for i, t in enumerate(tree.tokens)
+    ]:
+        if not 0 <= int(token) < vocab_size:
+            raise TokenOutOfVocabularyError(
+                f"{what} token {token} outside the vocabulary [0, {vocab_size})"
+            )
     for position, row in enumerate(tree.q_rows):
         kids = tree.children(position)
         if not kids:
@@ -154,7 +222,60 @@ def validate_tree(
                 raise DraftZeroProbabilityError(
                     f"node {i} token {token} has draft probability q = 0 in its row"
                 )
+
+
+def validate_tree(
+    frontier: int, tree: Tree, witness: np.ndarray, vocab_size: int, max_nodes: int
+) -> None:
+    """Every topology, geometry and value check, before a single draw."""
+    validate_request(frontier, tree, vocab_size, max_nodes)
+    tokens = [("frontier", frontier)] + [(f"node {i}", t) for i, t in enumerate(tree.tokens)]
+    check_geometry(witness, tree.size + 1, f"{tree.size} nodes", vocab_size, tokens)
     check_probability_rows(witness, "witness")
+
+
+# --- shapes --------------------------------------------------------------------------------
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """The deepest node's depth (the root's children are at depth 1): the most drafts one
+    path of the tree can accept."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 + (depth[p] if p >= 0 else 0))
+    return max(depth, default=0)
+
+
+def shape_nodes(branching: Sequence[int]) -> int:
+    """Most nodes a tree of this shape (children per position at each depth) holds."""
+    total, level = 0, 1
+    for k in branching:
+        level *= k
+        total += level
+    return total
+
+
+SHAPE_CAPS = (4, 3, 2)
+"""How wide `shape_for_budget` lets each depth grow, root first (2 past the third): the
+screen (docs/trees.md) found a wider first level earns most, deeper ones little."""
+
+
+def shape_for_budget(nodes: int, depth: int) -> list[int]:
+    """A tree shape of at most `nodes` nodes and at most `depth` deep: the chain of
+    min(depth, nodes) first, then each depth widened in turn, root first, up to its cap in
+    `SHAPE_CAPS`, while the budget holds (16 nodes 4 deep: 4,1,1,1; 28: 4,2,1,1; 64:
+    4,3,2,1). A budget of one node is a one-node chain; none, or no depth, is no tree."""
+    if nodes < 1 or depth < 1:
+        return []
+    shape = [1] * min(depth, nodes)
+    for level in range(len(shape)):
+        cap = SHAPE_CAPS[level] if level < len(SHAPE_CAPS) else 2
+        while shape[level] < cap:
+            shape[level] += 1
+            if shape_nodes(shape) > nodes:
+                shape[level] -= 1
+                break
+    return shape
 
 
 # --- drafting ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from muser.canonical import CanonicalError, pack_f64s, pack_u32s, unpack_f64s, unpack_u32s
+from muser.errors import TreeTopologyError
 from muser.records import (
     Identity,
     RoundRequest,
@@ -109,6 +110,19 @@ def row_from_pb(m: pb.SparseRow, i: int) -> SparseRow:
     return SparseRow(unpack_u32s(m.ids), unpack_f64s(m.weights))
 
 
+def parents_from_pb(parents) -> tuple[int, ...]:
+    """A tree's topology off the wire (sint32): a parent below -1 is no node, refused here
+    (the canonical encoding writes parents + 1 as u32); the rest is checked with the round
+    (`muser.tree.check_topology`)."""
+    for i, parent in enumerate(parents):
+        if parent < -1:
+            raise TreeTopologyError(
+                f"node {i}: parent {parent} is no node (an orphan); expected -1 (the root) or "
+                f"an earlier node in [0, {i})"
+            )
+    return tuple(parents)
+
+
 def request_to_pb(signed: Signed) -> pb.RoundRequest:
     r = request_of(signed)
     return pb.RoundRequest(
@@ -124,6 +138,7 @@ def request_to_pb(signed: Signed) -> pb.RoundRequest:
         proposer_key_id=r.proposer_key_id,
         signature=signed.signature,
         decode_len=r.decode_len,
+        parents=list(r.parents),
     )
 
 
@@ -141,6 +156,7 @@ def request_from_pb(m: pb.RoundRequest) -> Signed:
         tuple(m.transcript_digests),
         m.proposer_key_id,
         m.decode_len,
+        parents_from_pb(m.parents),
     )
     return Signed(r.encode(), m.signature, r)
 
@@ -165,6 +181,8 @@ def result_to_pb(signed: Signed, timings: dict[str, float] | None = None) -> pb.
         verifier_key_id=r.verifier_key_id,
         signature=signed.signature,
         decoded=list(r.decoded),
+        parents=list(r.parents),
+        path=list(r.path),
         verify_s=t.get("verify_s", 0.0),
         wal_s=t.get("wal_s", 0.0),
         sign_s=t.get("sign_s", 0.0),
@@ -188,5 +206,7 @@ def result_from_pb(m: pb.RoundResult) -> Signed:
         m.head,
         m.verifier_key_id,
         tuple(m.decoded),
+        parents_from_pb(m.parents),
+        tuple(m.path),
     )
     return Signed(r.encode(), m.signature, r)

@@ -63,7 +63,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_digest: _Optional[bytes] = ..., proposer_key_id: _Optional[str] = ..., epoch: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ..., genesis_head: _Optional[bytes] = ..., fragments: _Optional[_Iterable[_Union[Fragment, _Mapping]]] = ..., signature: _Optional[bytes] = ..., resume: _Optional[bytes] = ..., resume_transcript: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "genesis_head", "head", "next_round", "epoch", "verifier_key_id", "resumed")
+    __slots__ = ("session_id", "genesis_head", "head", "next_round", "epoch", "verifier_key_id", "resumed", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENESIS_HEAD_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class OpenSessionResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     genesis_head: bytes
     head: bytes
@@ -78,7 +79,8 @@ class OpenSessionResponse(_message.Message):
     epoch: int
     verifier_key_id: str
     resumed: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., genesis_head: _Optional[bytes] = ..., head: _Optional[bytes] = ..., next_round: _Optional[int] = ..., epoch: _Optional[int] = ..., verifier_key_id: _Optional[str] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[bytes] = ..., genesis_head: _Optional[bytes] = ..., head: _Optional[bytes] = ..., next_round: _Optional[int] = ..., epoch: _Optional[int] = ..., verifier_key_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "signature")
@@ -111,7 +113,7 @@ class SparseRow(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature", "decode_len")
+    __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature", "decode_len", "parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class RoundRequest(_message.Message):
     PROPOSER_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DECODE_LEN_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     round: int
     epoch: int
@@ -136,10 +139,11 @@ class RoundRequest(_message.Message):
     proposer_key_id: str
     signature: bytes
     decode_len: int
-    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., decode_len: _Optional[int] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., decode_len: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s", "decoded")
+    __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s", "decoded", "parents", "path")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,8 @@ class RoundResult(_message.Message):
     WAL_S_FIELD_NUMBER: _ClassVar[int]
     SIGN_S_FIELD_NUMBER: _ClassVar[int]
     DECODED_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     round: int
     epoch: int
@@ -178,7 +184,9 @@ class RoundResult(_message.Message):
     wal_s: float
     sign_s: float
     decoded: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., prev_head: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., post_state_digest: _Optional[bytes] = ..., transcript_digest: _Optional[bytes] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., head: _Optional[bytes] = ..., verifier_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., verify_s: _Optional[float] = ..., wal_s: _Optional[float] = ..., sign_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., prev_head: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., post_state_digest: _Optional[bytes] = ..., transcript_digest: _Optional[bytes] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., head: _Optional[bytes] = ..., verifier_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., verify_s: _Optional[float] = ..., wal_s: _Optional[float] = ..., sign_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("session_id", "round")

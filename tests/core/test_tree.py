@@ -5,6 +5,7 @@ distribution at T = 1, and every malformed tree refused before a draw."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -12,21 +13,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muser.canonical import CanonicalError, Reader
 from muser.errors import (
     DraftMismatchError,
     DraftZeroProbabilityError,
     RowCountError,
 )
 from muser.mt19937 import Mt19937
+from muser.records import RoundRequest, RoundResult, Signed
 from muser.sampling import SparseRow
 from muser.tree import (
     Tree,
     TreeTopologyError,
+    check_path,
     draft_tree,
     judge_tree,
     judge_tree_reference,
     per_path,
     replay_tree,
+    shape_for_budget,
+    shape_nodes,
+    tree_draws,
 )
 from muser.verify import judge_round
 from tests.lanes.test_joint_distribution import Z_BOUND, wilson_hilferty
@@ -109,6 +116,8 @@ def test_the_fast_judge_equals_the_float64_reference(seed, branching, frontier, 
     assert (fast.path, fast.next_frontier, fast.draws) == (ref.path, ref.next_frontier, ref.draws)
     assert fast.post_state.to_bytes() == ref.post_state.to_bytes()
     assert fast.draws >= 1 or greedy
+    # what a result's reader recomputes from its topology and path (muser.records)
+    assert tree_draws(fast_tree.parents, fast.path, greedy) == fast.draws
 
 
 def test_draws_follow_the_written_order():
@@ -274,3 +283,53 @@ def test_a_tree_the_draws_did_not_select_is_refused():
     refused(swapped, witness, DraftMismatchError, "node 0: the replayed draw", state=state)
     with pytest.raises(DraftMismatchError):
         judge_tree_reference(state, 0, swapped, witness, greedy=False, max_nodes=MAX_NODES)
+
+
+def test_an_accepted_path_must_descend_from_the_root():
+    parents = (-1, -1, 0, 1, 2)
+    check_path(parents, ())
+    check_path(parents, (1, 3))
+    for bad, why in [((2,), "node 2 is not a child of the root"), ((0, 3), "not a child of node 0"),
+                     ((0, 2, 9), "node 9 is not")]:  # fmt: skip
+        with pytest.raises(TreeTopologyError, match=why):
+            check_path(parents, bad)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "depth", "shape"),
+    [(4, 4, [1, 1, 1, 1]), (8, 4, [2, 1, 1, 1]), (16, 4, [4, 1, 1, 1]), (28, 4, [4, 2, 1, 1]),
+     (64, 4, [4, 3, 2, 1]), (3, 4, [1, 1, 1]), (10, 2, [4, 1]), (0, 4, []), (8, 0, [])],
+)  # fmt: skip
+def test_a_node_budget_gives_its_shape(nodes, depth, shape):
+    assert shape_for_budget(nodes, depth) == shape
+
+
+@given(nodes=st.integers(1, 64), depth=st.integers(1, 8))
+def test_a_shape_fits_its_budget_and_depth(nodes, depth):
+    shape = shape_for_budget(nodes, depth)
+    assert 1 <= shape_nodes(shape) <= nodes and len(shape) <= depth
+    assert all(k >= 1 for k in shape)
+
+
+def test_tree_records_are_their_own_domain():
+    """A tree request and result encode under their own domains: a reader of chains
+    refuses them rather than read the nodes as a chain; a chain's bytes are unchanged."""
+    request = RoundRequest(b"s" * 16, 0, 1, b"h" * 32, 3, (4, 5), (SparseRow([4, 5], [1.0, 1.0]),),
+                           b"m" * 32, (), "k", 1, (-1, -1))  # fmt: skip
+    back = RoundRequest.decode(request.encode())
+    assert back.parents == (-1, -1) and back.encode() == request.encode()
+    with pytest.raises(CanonicalError):
+        Reader(request.encode(), "round-request")
+    chain = dataclasses.replace(request, parents=(), drafts=(4,))
+    assert RoundRequest.decode(chain.encode()).parents == ()
+    result = RoundResult(b"s" * 16, 0, 1, b"p" * 32, b"d" * 32, 3, (4, 5), 1, 9, b"m" * 32,
+                         b"t" * 32, (), b"h" * 32, "v", (), (-1, -1), (1,))  # fmt: skip
+    assert RoundResult.decode(result.encode()) == result
+    assert result.emitted() == [5, 9]
+    with pytest.raises(CanonicalError):
+        Reader(result.encode(), "round-result")
+    lying = dataclasses.replace(result, accepted=2)
+    with pytest.raises(CanonicalError, match="accepts 2 nodes along a path of 1"):
+        RoundResult.decode(lying.encode())
+    signed = Signed(result.encode(), b"")
+    assert RoundResult.decode(signed.body).path == (1,)
