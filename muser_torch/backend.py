@@ -44,7 +44,14 @@ from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import CaptureLayerError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import model_identity
-from muser_torch.batched import BatchKv, TorchSequence, batch_inputs, tree_depths, tree_inputs
+from muser_torch.batched import (
+    BatchKv,
+    TorchSequence,
+    batch_inputs,
+    mixed_inputs,
+    tree_depths,
+    tree_inputs,
+)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16", "float16")
@@ -315,6 +322,46 @@ class TorchBackend(HeldTokens):
         logits = self._logits(rows, positions, mask, cache)
         seq._hold_block(ids)
         return logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+
+    def evaluate_mixed(
+        self, work: Sequence[tuple[TorchSequence, Sequence[int], Sequence[int] | None]]
+    ) -> list[np.ndarray]:
+        """Chains and token trees of several sequences in one forward: each `(seq, tokens,
+        parents)` is a chain appended to `seq` (parents None, as `evaluate_batch`) or a tree
+        after it (`tokens[0]` the root, as `evaluate_tree`: its block held until
+        `seq.keep_path`). The verifier batches tree rounds with other sessions' chains so.
+        Float64 logits per sequence; a failed forward leaves every sequence as it was."""
+        seqs = [seq for seq, _, _ in work]
+        for seq in seqs:
+            if not isinstance(seq, TorchSequence) or seq.owner is not self:
+                raise TypeError(f"{seq!r} is not a sequence of this backend")
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        ids = [check_tokens(tokens, self.vocab_size) for _, tokens, _ in work]
+        if any(not x for x in ids):
+            raise ValueError("every sequence of a mixed batch evaluates at least one token")
+        depths = [
+            None if parents is None else tree_depths(parents, len(x))
+            for x, (_, _, parents) in zip(ids, work, strict=True)
+        ]
+        for seq, x, d in zip(seqs, ids, depths, strict=True):
+            check_room(
+                seq.length, len(x) if d is None else max(d) + 1, self.geometry.context_length
+            )
+        torch = self._torch
+        cache = BatchKv(seqs, [len(x) for x in ids])
+        parents = [p for _, _, p in work]
+        rows, positions, mask = mixed_inputs(
+            torch, seqs, ids, parents, depths, cache.total, self._mask_dtype, self._mask_lowest
+        )
+        logits = self._logits(rows, positions, mask, cache)
+        logits = logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        for seq, x, p in zip(seqs, ids, parents, strict=True):
+            if p is None:
+                seq._commit(x)
+            else:
+                seq._hold_block(x)
+        return [logits[j, : len(x)] for j, x in enumerate(ids)]
 
     def _logits(self, rows, positions, mask, cache: BatchKv, lean: bool = True):
         """One forward of token `rows` at `positions` under the additive `mask` (B, W, T),

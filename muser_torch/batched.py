@@ -242,6 +242,40 @@ def ragged_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]], counts
     return torch.from_numpy(rows), torch.from_numpy(positions), mask
 
 
+def mixed_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]],
+                 parents: list[Sequence[int] | None], depths: list[list[int] | None],
+                 total: int, mask_dtype, mask_lowest):  # fmt: skip
+    """`ragged_inputs` for a batch whose rows are chains (parents None: query j sees keys
+    [0, length + j]) or tree blocks (`tree_inputs`: an entry sees the committed keys and its
+    own path, at position length + its depth); padded queries repeat the last real one."""
+    counts = [len(x) for x in ids]
+    width = max(counts)
+    rows = np.zeros((len(ids), width), dtype=np.int64)
+    positions = np.zeros((len(ids), width), dtype=np.int64)
+    visible = np.zeros((len(ids), width, total), dtype=bool)
+    for i, (seq, x, tree, depth) in enumerate(zip(seqs, ids, parents, depths, strict=True)):
+        n, length = len(x), seq.length
+        rows[i, :n] = x
+        if tree is None:
+            positions[i] = length + np.arange(width)
+            last = length + np.minimum(np.arange(width), n - 1)
+            visible[i] = np.arange(total)[None, :] <= last[:, None]
+            continue
+        positions[i, :n] = length + np.asarray(depth, dtype=np.int64)
+        positions[i, n:] = positions[i, n - 1]
+        visible[i, :, :length] = True
+        for j in range(n):
+            k = j
+            while True:
+                visible[i, j, length + k] = True
+                if k == 0:
+                    break
+                k = tree[k - 1] + 1
+        visible[i, n:] = visible[i, n - 1]
+    mask = torch.from_numpy(np.where(visible, np.float32(0), mask_lowest)).to(mask_dtype)
+    return torch.from_numpy(rows), torch.from_numpy(positions), mask
+
+
 def tree_depths(parents: Sequence[int], width: int) -> list[int]:
     """Depth of each block entry (0: the root) of a tree with `width` entries (root and
     nodes); refuses parents that are not -1 or an earlier node."""

@@ -26,6 +26,7 @@ from muser.errors import (
     ModelMismatchError,
     RowCountError,
     TokenOutOfVocabularyError,
+    TreeUnsupportedError,
 )
 from muser.records import (
     RoundRequest,
@@ -36,6 +37,7 @@ from muser.records import (
     transcript_chunks,
 )
 from muser.sampling import SamplingParams, check_stop_tokens
+from muser.tree import check_topology, replay_tree, validate_request
 from muser.verify import replay_drafts
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import short
@@ -201,7 +203,8 @@ def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int
 def check_drafts(
     state: SessionState, request: RoundRequest, vocab: int, max_drafts: int = 64
 ) -> None:
-    """Every geometry and value check, then the drafting replay (DESIGN.md §4 step 1)."""
+    """Every geometry and value check, then the drafting replay (DESIGN.md §4 step 1; a
+    tree round's: `check_tree`)."""
     depth = len(request.drafts)
     if len(request.q_rows) != depth:
         raise RowCountError(f"{depth} drafts need {depth} draft rows, got {len(request.q_rows)}")
@@ -228,3 +231,37 @@ def check_drafts(
                 f"draft {i} token {token} has draft probability q = 0 in its row"
             )
     replay_drafts(state.mt, request.drafts, request.q_rows, state.params.greedy)
+
+
+def check_tree(
+    state: SessionState, request: RoundRequest, vocab: int, max_nodes: int, judges_trees: bool
+) -> None:
+    """A tree round (DESIGN.md §4.1): judged here at all, its topology and rows well formed
+    (`muser.tree.validate_request`: cycles, orphans, duplicate siblings, too many nodes, rows
+    that do not fit), deep enough for nothing past what the session may still emit, and the
+    drafting draws replayed (`muser.tree.replay_tree`). At most `max_nodes`
+    (lane.tree_nodes) nodes."""
+    sid = short(state.session_id)
+    if not judges_trees:
+        raise TreeUnsupportedError(
+            f"a tree round received for session {sid}; this verifier judges chains only "
+            "(trees need lane.tree_nodes > 0 and a torch target with a KV per session)"
+        )
+    if state.open.capture_layers:
+        raise TreeUnsupportedError(
+            f"a tree round received for session {sid}, which captures layers "
+            f"{list(state.open.capture_layers)}: capturing sessions send chains"
+        )
+    if request.decode_len != 1:
+        raise DecodeLengthError(f"a tree round decodes nothing more: decode_len must be 1, got "
+                                f"{request.decode_len}")  # fmt: skip
+    check_topology(request.parents, len(request.drafts), max_nodes)  # before rows are placed
+    tree = request.tree()
+    validate_request(request.frontier, tree, vocab, max_nodes)
+    depth, room = max(len(tree.path(i)) for i in range(tree.size)), max(0, state.remaining - 1)
+    if depth > room:
+        raise DraftOverrunError(
+            f"a tree {depth} nodes deep received; the session may emit {state.remaining} more "
+            f"tokens, so at most {room} deep"
+        )
+    replay_tree(state.mt, tree, state.params.greedy)

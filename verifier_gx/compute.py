@@ -21,6 +21,7 @@ from muser.health import backend_failure
 from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
 from muser.sampling import target_probs
 from muser.stats import VerifierStats
+from muser.tree import judge_tree
 from muser.verify import RoundDecision, judge_round
 from verifier_gx.decode import decode_batch, decode_decision
 from verifier_gx.executor import witness_each
@@ -80,6 +81,8 @@ class RoundComputer:
             computed, ahead_s = self._compute_batch(jobs)
             share = (self.clock() - t0) / len(jobs)
         for job, c in zip(jobs, computed, strict=True):
+            if job.request.is_tree:  # (a tree's decision is no hint the proposer follows)
+                continue
             if job.on_decided is not None and not isinstance(c, BaseException):
                 _tell(job, c[0])  # the early decision: before signing and the commit
         out: list[tuple | BaseException] = []
@@ -96,7 +99,8 @@ class RoundComputer:
     def _sign(self, job: RoundJob, decision: RoundDecision, captured, *, verify_s: float):
         """Build the RoundResult, check it against the state and sign it."""
         state, request, digest = job.state, job.request, job.digest
-        emitted = decision.emitted(request.drafts)
+        tree = request.tree() if request.is_tree else None
+        emitted = decision.emitted(tree) if tree else decision.emitted(request.drafts)
         first, rows_by_layer = captured
         captures = [
             encode_capture(state.session_id, request.round, layer, first, rows)
@@ -117,7 +121,9 @@ class RoundComputer:
             tuple(d for d, _ in captures),
             b"\0" * 32,
             self.key_id,
-            decision.decoded,
+            () if tree else decision.decoded,
+            tuple(request.parents),
+            tuple(decision.path) if tree else (),
         )
         result = replace(result, head=result.expected_head())
         post = state.check_round(result, digest)
@@ -155,7 +161,10 @@ class RoundComputer:
                 ex.cursor.realign()
                 out[i] = exc
         self._decode_batch(jobs, executors, decoding, out)
-        rounds = [(executors[i], jobs[i].state.transcript, jobs[i].request.drafts) for i in batched]
+        rounds = [  # a tree round goes in the same forward, with its tree (witness_batch)
+            (executors[i], jobs[i].state.transcript, jobs[i].request.drafts, *_tree(jobs[i]))
+            for i in batched
+        ]
         for i, got in zip(batched, witness_each(self.backend, rounds), strict=True):
             if isinstance(got, Exception):
                 out[i] = got
@@ -219,6 +228,12 @@ class RoundComputer:
     def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
         state, request = job.state, job.request
         witness = target_probs(logits, state.params)
+        if request.is_tree:  # (admission replayed its drafting draws; this replays them again)
+            tree = request.tree()
+            decision = judge_tree(state.mt, request.frontier, tree, witness,
+                                  greedy=state.params.greedy, max_nodes=tree.size)  # fmt: skip
+            ex.keep_tree_path(request.frontier, tree, decision.path, logits)
+            return decision, (state.capture_from, [])
         decision: RoundDecision = judge_round(
             state.mt,
             request.frontier,
@@ -235,6 +250,11 @@ class RoundComputer:
             first,
             [(layer, captured[layer][: end - first]) for layer in sorted(captured)],
         )
+
+
+def _tree(job: RoundJob) -> tuple:
+    """A tree round's tree, as the 4th item of its `witness_batch` round; nothing for a chain."""
+    return (job.request.tree(),) if job.request.is_tree else ()
 
 
 def capture_round(job: RoundJob, ex, layers: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:

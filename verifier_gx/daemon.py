@@ -179,6 +179,7 @@ def create_server(
             qualified_draft=qualified_draft,
             max_decode_len=config.lane.decode_len,
             max_drafts=config.lane.draft_len_max,
+            max_tree_nodes=config.lane.tree_nodes,
             compact_bytes=config.verifier.commit_compact_bytes,
             health=health,
             fragment_store=store,

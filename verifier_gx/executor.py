@@ -1,4 +1,5 @@
-"""The target side of a round: witness rows for [frontier, drafts], then settle the KV.
+"""The target side of a round: witness rows for [frontier, drafts], then settle the KV
+(a tree round's: its frontier and nodes, then `keep_tree_path`).
 
 The executor keeps the target's KV equal to the transcript minus the frontier; a round
 appends [f, d_0..d_D-1], and `settle` keeps f and the accepted drafts (a + 1 tokens).
@@ -67,6 +68,11 @@ class TargetExecutor:
         self.ahead_s = seconds
         return rows
 
+    def drop_ahead(self) -> None:
+        """Spend any lookahead unused (a tree round takes none: its forward has a tree's
+        mask)."""
+        self._ahead, self.ahead_s = None, 0.0
+
     def witness_logits(self, transcript: Sequence[int], drafts: Sequence[int]) -> np.ndarray:
         """Raw logits (D+1, V) for [frontier, *drafts] after transcript[:-1]."""
         if (rows := self.take_ahead(transcript, drafts)) is not None:
@@ -88,41 +94,60 @@ class TargetExecutor:
         again = [int(t) for t in kept[start:]]
         return len(kept) - reused, [*again, int(transcript[-1]), *(int(d) for d in drafts)]
 
+    def keep_tree_path(self, frontier: int, tree, path: Sequence[int], logits: np.ndarray):
+        """After a tree round: keep the frontier's and the accepted path's KV (the path's
+        keys move next to the frontier's, `keep_path`), drop the other nodes'."""
+        self.cursor.backend.keep_path(list(path))
+        at = [0, *(i + 1 for i in path)]
+        self.cursor.record([int(frontier), *(int(tree.tokens[i]) for i in path)], logits[at])
+
     def settle(self, transcript_len: int, accepted: int) -> None:
         """Keep the KV of the frontier and the accepted drafts; drop the rest."""
         self.cursor.truncate(transcript_len + accepted)
 
 
-def witness_batch(
-    backend: ModelBackend, rounds: Sequence[tuple[TargetExecutor, Sequence[int], Sequence[int]]]
-) -> list[np.ndarray]:
-    """Raw logits per (executor, transcript, drafts), as `witness_logits` returns them, in
-    one forward of `backend` when it batches. Every executor must hold its own sequence of
-    `backend` (or all share `backend` itself, which then runs them in turn)."""
+def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.ndarray]:
+    """Raw logits per `(executor, transcript, drafts)` round, as `witness_logits` returns
+    them, in one forward of `backend` when it batches. Every executor must hold its own
+    sequence of `backend` (or all share `backend` itself, which then runs them in turn). A
+    tree round is `(executor, transcript, its nodes' tokens, its muser.tree.Tree)`: the
+    frontier and its nodes go in the same forward (`evaluate_mixed`: each node sees its
+    ancestors), their block held until `keep_tree_path`."""
     if not rounds:
         return []
-    if any(ex.cursor.backend is backend for ex, _, _ in rounds):
-        return [ex.witness_logits(t, d) for ex, t, d in rounds]
-    ahead = [ex.take_ahead(t, d) for ex, t, d in rounds]
+    trees = [r[3] if len(r) > 3 else None for r in rounds]
+    if any(r[0].cursor.backend is backend for r in rounds):
+        if any(t is not None for t in trees):
+            raise ValueError("a tree round needs a sequence of its own (a KV per session)")
+        return [ex.witness_logits(t, d) for ex, t, d, *_ in rounds]
+    ahead = [
+        ex.take_ahead(t, d) if tree is None else ex.drop_ahead()
+        for (ex, t, d, *_), tree in zip(rounds, trees, strict=True)
+    ]
     if any(a is not None for a in ahead):  # those rows are made; the rest go in one forward
         rest = [r for r, a in zip(rounds, ahead, strict=True) if a is None]
         made = iter(witness_batch(backend, rest))
         return [a if a is not None else next(made) for a in ahead]
-    work = [(ex.cursor.backend, ex.prepare(t, d)[1]) for ex, t, d in rounds]
+    work = [
+        (ex.cursor.backend, ex.prepare(t, d)[1], None if tree is None else tree.parents)
+        for (ex, t, d, *_), tree in zip(rounds, trees, strict=True)
+    ]
     try:
-        rows = evaluate_batch(backend, work)
+        if any(tree is not None for tree in trees):
+            rows = backend.evaluate_mixed(work)  # type: ignore[attr-defined]
+        else:
+            rows = evaluate_batch(backend, [(seq, tokens) for seq, tokens, _ in work])
     except Exception:  # a backend may have appended some sequences before it refused
-        for ex, _, _ in rounds:
+        for ex, *_ in rounds:
             ex.cursor.realign()
         raise
-    for (ex, _, _), (_, tokens), r in zip(rounds, work, rows, strict=True):
-        ex.cursor.record(tokens, r)
+    for (ex, *_), (_, tokens, parents), r in zip(rounds, work, rows, strict=True):
+        if parents is None:  # (a tree's block is recorded by keep_tree_path)
+            ex.cursor.record(tokens, r)
     return rows
 
 
-def witness_each(
-    backend: ModelBackend, rounds: Sequence[tuple[TargetExecutor, Sequence[int], Sequence[int]]]
-) -> list[np.ndarray | Exception]:
+def witness_each(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.ndarray | Exception]:
     """`witness_batch`, but one round's failure does not fail the others: when the batch is
     refused, each round runs alone and a round that still fails gets its exception in its
     place."""

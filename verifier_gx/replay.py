@@ -24,7 +24,6 @@ from muser.records import (
     SessionOpen,
     Signed,
     advance,
-    draws_for_round,
     sha256,
     state_digest,
     tokens_bytes,
@@ -150,9 +149,15 @@ class SessionState:
             raise JournalError(f"{where}: accepted {result.accepted} of {depth} drafts")
         if depth and result.decoded:
             raise JournalError(f"{where}: decoded {list(result.decoded)} in a round with drafts")
-        post = advance(
-            self.mt, draws_for_round(depth, result.accepted, self.params.greedy, len(emitted))
-        )
+        if result.is_tree and (result.decoded or result.accepted != len(result.path)):
+            raise JournalError(
+                f"{where}: a tree round accepts {result.accepted} nodes along "
+                f"path {list(result.path)} and decodes {list(result.decoded)}"
+            )
+        try:
+            post = advance(self.mt, result.draws(self.params.greedy))
+        except RefusedError as exc:  # a path that is not one of its topology
+            raise JournalError(f"{where}: {exc}") from exc
         if state_digest(post) != result.post_state_digest:
             raise JournalError(
                 f"{where}: post-round MT state digest {result.post_state_digest.hex()} is not "

@@ -30,7 +30,7 @@ from muser.stats import VerifierStats
 from muser.tasks import shielded
 from muser.verify import RoundDecision
 from verifier_gx import journal
-from verifier_gx.admission import check_closure, check_decode, check_drafts
+from verifier_gx.admission import check_closure, check_decode, check_drafts, check_tree
 from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
 from verifier_gx.compute import RoundComputer, RoundJob
 from verifier_gx.fragments import FragmentStage
@@ -93,6 +93,7 @@ class Rounds:
         max_queue: int,
         max_decode_len: int,
         max_drafts: int,
+        max_tree_nodes: int = 0,
         on_target: Callable[[BaseException | None], None] | None = None,
     ) -> None:
         self.sessions, self.log, self.kv, self.stats, self.clock = sessions, log, kv, stats, clock
@@ -101,6 +102,13 @@ class Rounds:
         self.max_drafts = max_drafts
         """The most drafts one round may carry (lane.draft_len_max): a round's witness rows
         are (D + 1) x vocabulary floats, so D is bounded by the lane, not by the session."""
+        self.max_tree_nodes = max_tree_nodes
+        """The most nodes one tree round may carry (lane.tree_nodes; 0: chains only)."""
+        self.judges_trees = bool(max_tree_nodes) and hasattr(backend, "evaluate_tree")
+        self.judges_trees &= kv.per_session
+        """Whether tree rounds are judged here (DESIGN.md §4.1): the lane drafts trees and the
+        target evaluates one on a session's own KV (torch); a shared KV (vLLM, fakes) takes
+        chains only."""
         self.computer = RoundComputer(backend, kv, signing_key, stats, clock, on_target)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
             self._decide_and_commit,
@@ -159,7 +167,11 @@ class Rounds:
                     f"{request.round}"
                 )
             check_closure(state, request, sessions.fragments)
-            check_drafts(state, request, sessions.target.vocab_size, self.max_drafts)
+            vocab = sessions.target.vocab_size
+            if request.is_tree:
+                check_tree(state, request, vocab, self.max_tree_nodes, self.judges_trees)
+            else:
+                check_drafts(state, request, vocab, self.max_drafts)
             check_decode(state, request, self.max_decode_len)
             faults.reached("verifier.after_closure")
             return await self._commit(state, request, digest, on_decided)

@@ -63,6 +63,8 @@ from muser.errors import (
     SessionLimitError,
     StaleEpochError,
     TokenOutOfVocabularyError,
+    TreeTopologyError,
+    TreeUnsupportedError,
     UnenrolledKeyError,
     UnknownSessionError,
 )
@@ -112,6 +114,8 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     DraftOverrunError: (C.INVALID_ARGUMENT, "too_many_drafts"),
     DecodeLengthError: (C.INVALID_ARGUMENT, "decode_len"),
     DraftMismatchError: (C.FAILED_PRECONDITION, "draft_mismatch"),
+    TreeTopologyError: (C.INVALID_ARGUMENT, "malformed_tree"),
+    TreeUnsupportedError: (C.FAILED_PRECONDITION, "tree_rounds_unsupported"),
     InvalidSamplingParamsError: (C.INVALID_ARGUMENT, "invalid_params"),
     InvalidPromptError: (C.INVALID_ARGUMENT, "invalid_prompt"),
     CaptureLayerError: (C.INVALID_ARGUMENT, "capture_layer"),
@@ -206,6 +210,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             epoch=reply.epoch,
             verifier_key_id=reply.verifier_key_id,
             resumed=reply.resumed,
+            features=["tree-rounds"] if self.manager.rounds.judges_trees else [],
         )
 
     async def CloseSession(

@@ -130,6 +130,7 @@ class SessionManager:
         qualified_draft: tuple[str, str] | None = None,
         max_decode_len: int = 1,
         max_drafts: int = 64,
+        max_tree_nodes: int = 0,
         verifier_keys: Mapping[str, Ed25519PublicKey] | None = None,
         compact_bytes: int = 0,
         health: Health | None = None,
@@ -170,6 +171,7 @@ class SessionManager:
             max_queue=limits.round_queue,
             max_decode_len=max_decode_len,
             max_drafts=max_drafts,
+            max_tree_nodes=max_tree_nodes,
             on_target=self._target_health,
         )
         self.replay = self._recover()

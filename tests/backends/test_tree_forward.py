@@ -105,3 +105,35 @@ def test_a_tree_or_a_path_the_block_cannot_hold_is_refused(checkpoint):
     with pytest.raises(ValueError, match="no tree block is held"):
         seq.keep_path([0])
     assert seq.length == 5
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_mixed_batch_gives_each_chain_and_tree_its_own_rows(checkpoint, arch, forward):
+    """`evaluate_mixed`: trees and chains of several sequences of different lengths in one
+    forward (the verifier's batch of tree and chain rounds): each gets the rows it gets
+    alone, a chain is committed and a tree's block held for `keep_path`."""
+    backend = _backend(checkpoint, arch, forward)
+    base = backend.sequence()
+    base.evaluate(PROMPT[:9])
+    short = backend.sequence()
+    short.evaluate(PROMPT[:4])
+    tree_seq, chain_seq, other_tree = base.clone(), short.clone(), short.clone()
+    small = ([PROMPT[4], 9, 10], [-1, 0])
+    got = backend.evaluate_mixed(
+        [(tree_seq, TOKENS, PARENTS), (chain_seq, PROMPT[4:8], None), (other_tree, *small)]
+    )
+    want = [
+        backend.evaluate_tree(base.clone(), TOKENS, PARENTS),
+        short.clone().evaluate(PROMPT[4:8]),
+        backend.evaluate_tree(short.clone(), *small),
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        worst = float(np.abs(log_softmax(g) - log_softmax(w)).max())
+        assert worst < 1e-4, worst
+    assert (tree_seq.length, chain_seq.length, other_tree.length) == (9, 8, 4)
+    tree_seq.keep_path([0, 3])
+    other_tree.keep_path([0])
+    assert tree_seq._tokens[9:] == [TOKENS[0], TOKENS[1], TOKENS[4]]
+    with pytest.raises(ValueError, match="at least one token"):
+        backend.evaluate_mixed([(tree_seq, [], None)])

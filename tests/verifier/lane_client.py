@@ -19,7 +19,6 @@ from muser.records import (
     SessionOpen,
     Signed,
     advance,
-    draws_for_round,
     sha256,
     state_digest,
     tokens_bytes,
@@ -114,6 +113,9 @@ class LaneClient:
     capture_layers: tuple[int, ...] = ()
     decode_len: int = 1
     """Tokens a draftless round asks the verifier to decode (capped at what remains)."""
+    tree_shape: list[int] = field(default_factory=list)
+    """Tree rounds of this shape (`Drafter.tree_steps`: `draft` must be a sequence of a torch
+    draft); empty: chains."""
     session_id: bytes = field(default_factory=lambda: os.urandom(16))
     results: list[Signed] = field(default_factory=list)
 
@@ -184,7 +186,12 @@ class LaneClient:
     def draft_request(self) -> RoundRequest:
         remaining = self.params.max_tokens - len(self.out)
         depth = plan_depth(self.draft_len, remaining)
-        proposal = self.drafter.draft(self.transcript, self.mt, depth)
+        if self.tree_shape:
+            depth = min(len(self.tree_shape), remaining - 1)
+            steps = self.drafter.tree_steps(self.transcript, self.mt, self.tree_shape[:depth])
+            proposal = self.drafter.run(steps)
+        else:
+            proposal = self.drafter.draft(self.transcript, self.mt, depth)
         return RoundRequest(
             self.session_id,
             self.next_round,
@@ -197,6 +204,7 @@ class LaneClient:
             tuple(sha256(c) for c in transcript_chunks(self.transcript)),
             self.key_id,
             1 if depth else min(self.decode_len, remaining),
+            tuple(proposal.parents),
         )
 
     def sign(self, request: RoundRequest, key: Ed25519PrivateKey | None = None) -> pb.RoundRequest:
@@ -210,11 +218,8 @@ class LaneClient:
         signed = convert.result_from_pb(msg.result)
         keys.verify(self.verifier_public, signed.body, signed.signature, "result")
         result = RoundResult.decode(signed.body)
-        depth = len(request.drafts)
-        emitted = len(result.emitted())
-        post = advance(
-            self.mt, draws_for_round(depth, result.accepted, self.params.greedy, emitted)
-        )
+        assert result.parents == request.parents
+        post = advance(self.mt, result.draws(self.params.greedy))
         checks = [
             (result.prev_head, self.head),
             (result.head, result.expected_head()),
@@ -241,7 +246,8 @@ class LaneClient:
         request = self.draft_request()
         msg, _ = await stream.round_trip(self.sign(request))
         result = self.accept(request, msg)
-        assert len(stream.decisions) == 1, "a computed round's result follows its decision"
+        told = 0 if request.is_tree else 1  # (a tree's decision is not told early)
+        assert len(stream.decisions) == told, "a computed chain's result follows its decision"
         return result
 
     async def run(self, stream: Stream, rounds: int | None = None) -> None:
