@@ -245,6 +245,32 @@ def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
         )
 
 
+def tree_lane(config: ClusterConfig, scope: Scope) -> None:
+    """lane.tree_nodes: trees are drafted by a torch draft and judged by a torch target
+    (each evaluates a token tree on a KV of its own), and never for capturing sessions."""
+    lane = config.lane
+    if not lane.tree_nodes:
+        return
+    fix = "set lane.tree_nodes = 0 (chains)"
+    if config.proposer.backend != "torch":
+        raise ConfigError(
+            f"lane.tree_nodes {lane.tree_nodes} needs proposer.backend 'torch' (a draft that "
+            f"drafts token trees); proposer.backend is {config.proposer.backend!r}: {fix} or "
+            "change the backend"
+        )
+    if config.verifier.backend != "torch":
+        raise ConfigError(
+            f"lane.tree_nodes {lane.tree_nodes} needs verifier.backend 'torch' (a target "
+            f"that judges token trees); verifier.backend is {config.verifier.backend!r}: "
+            f"{fix} or change the backend"
+        )
+    if lane.capture_layers:
+        raise ConfigError(
+            f"lane.tree_nodes {lane.tree_nodes} with lane.capture_layers "
+            f"{lane.capture_layers}: capturing sessions send chains; {fix} or drop the layers"
+        )
+
+
 def devices_available(config: ClusterConfig, scope: Scope) -> None:
     """The device each node's config names exists on this machine (nothing is loaded).
 
@@ -431,6 +457,7 @@ RULES: tuple[Rule, ...] = (
     shared_tokenizer,
     capture_layers_exist,
     draft_dtype_supported,
+    tree_lane,
     devices_available,
     cpus_available,
     wal_directories,

@@ -221,6 +221,17 @@ class Lane(_Strict):
         "one target step each (verifier-side decode: the wire is paid once per decode_len "
         "tokens; the text is that of decode_len singleton rounds). The verifier refuses more.",
     )
+    tree_nodes: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Token trees (DESIGN.md §4.1): each round drafts a tree of at most this "
+        "many nodes, draft_len deep, and the verifier judges every branch in one target "
+        "call; the shape is drawn from the budget (docs/trees.md). 0: chains. Both daemons "
+        "read it: the verifier judges trees of at most this many nodes, and only on a torch "
+        "target; the proposer needs a torch draft. A session that captures hidden rows "
+        "sends chains.",
+    )
     q_top_k: int = Field(
         DEFAULT_Q_TOP_K,
         ge=1,

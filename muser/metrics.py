@@ -25,6 +25,7 @@ are what the verifier reported per round (wal adds the proposer's COMMITTED appe
     muser_session_moves_total               counter    sessions moved to another pool verifier
     muser_capture_bytes_total               counter    capture-row bytes results named (proposer)
     muser_feature_install_seconds_total     counter    time handing them to the draft (proposer)
+    muser_tree_nodes_total                  counter    nodes tree rounds drafted (proposer)
     muser_acceptance_ratio                  gauge      accepted / drafted
     muser_tokens_per_round                  histogram  tokens a round emits (a + 1)
     muser_rounds_by_draft_len_total{draft_len} counter rounds per draft width D (lane.width)
@@ -433,6 +434,12 @@ _LANE_COUNTERS = (
         "muser_feature_install_seconds",
         "Seconds spent handing capture rows to the conditioned draft (proposer).",
         "feature_install_s",
+    ),
+    (
+        "muser_tree_nodes",
+        "Nodes the tree rounds drafted (lane.tree_nodes; a tree counts its depth in "
+        "drafted, its accepted path in accepted) (proposer).",
+        "tree_nodes",
     ),
 )
 """(name, help, LaneStats attribute) of the round counters."""

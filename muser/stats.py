@@ -153,6 +153,12 @@ class LaneStats:
     feature_install_s: float = 0.0
     """Wall spent handing those rows to the draft (in the draft thread, behind any
     speculation running there)."""
+    tree_nodes: int = 0
+    """Nodes the lane's tree rounds drafted (DESIGN.md §4.1). A tree round counts its depth
+    in `drafted` and its accepted path in `accepted`, so acceptance means what a chain's
+    does: of the tokens a round could accept, those it did."""
+    tree_shape: list[int] | None = None
+    """The shape its trees are drafted in (children per depth, root first); None: chains."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
     """Per-round split, one histogram per phase this lane measures."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
@@ -208,7 +214,7 @@ class LaneStats:
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
             "queue_full_retries", "decisions_followed", "branch_hits", "sent_ahead",
-            "ahead_void", "moves", "capture_bytes", "feature_install_s",
+            "ahead_void", "moves", "capture_bytes", "feature_install_s", "tree_nodes",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -275,6 +281,11 @@ class LaneStats:
                 "bytes": self.capture_bytes,
                 "bytes_per_round": round(self.capture_bytes / max(1, self.rounds), 1),
                 "install_s": round(self.feature_install_s, 6),
+            },
+            "tree": {
+                "shape": self.tree_shape,
+                "nodes": self.tree_nodes,
+                "nodes_per_round": round(self.tree_nodes / max(1, self.rounds), 3),
             },
             "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},
             "width": self.width,

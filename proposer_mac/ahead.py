@@ -83,8 +83,8 @@ class DraftingAhead:
         s = self.session
         transcript, produced, state = after or (s.transcript, len(s.emitted), s.state)
         remaining = s.params.max_tokens - produced - len(proposal.drafts) - 1
-        if not self.core.speculate or not proposal.drafts:
-            return None
+        if not self.core.speculate or not proposal.drafts or proposal.parents:
+            return None  # (a tree is never drafted ahead: drafting.py's module note)
         if self.core.branches > 0 and self.drafter.can_branch and self.core.drafts.pending == 0:
             # branches cost the draft thread ~1.7x a guess: only when nothing else waits
             # for it (many sessions keep it busy; there a branch job delays their drafts)

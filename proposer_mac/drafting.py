@@ -37,10 +37,18 @@ The draws are the same either way (one per draft row, in order, from the round's
 of the pre-round state); a batched row may differ from the lone one in its last float bits,
 which moves no distribution: the request carries the q rows the drafts were sampled from,
 and the verifier judges against those.
+
+Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree of a given shape
+(`muser.tree.draft_tree`: breadth first, one tree forward a depth on the session's own
+sequence of a torch draft, children drawn without replacement). Its forwards run inside the
+job, never as steps (a tree block has a mask of its own, so it does not batch with other
+sessions' steps), and a tree round is never drafted ahead: the next tree waits for the
+result, and the verifier tells no early decision of a tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Generator, Sequence
@@ -51,10 +59,12 @@ import numpy as np
 
 from muser.backend import ModelBackend, MultiSequenceBackend, batches
 from muser.cursor import KvCursor, set_owner
+from muser.errors import RefusedError
 from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, sample_ordered
+from muser.tree import draft_tree
 from proposer_mac.backends.ngram import no_proposal
 
 
@@ -65,6 +75,9 @@ class Draft:
     runners_up: list[int] = field(default_factory=list)
     """Greedy: at each draft position, the draft's best token after the draft itself, its
     guess at what the target picks there when it rejects the draft (empty when sampling)."""
+    parents: list[int] = field(default_factory=list)
+    """A tree round's topology (`muser.tree.Tree.parents`; `drafts` are its nodes' tokens,
+    `q_rows` its `wire_rows`); empty for a chain."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,47 @@ class Drafter:
                     raise Stopped
                 row = (yield [token])[-1]
         return Draft(drafts, q_rows, runners_up)
+
+    def tree_steps(
+        self, transcript: Sequence[int], state: Mt19937, branching: Sequence[int]
+    ) -> Steps[Draft]:
+        """A tree of shape `branching` (children per position at each depth, root first)
+        after `transcript` (which ends with the frontier), as steps that yield nothing: its
+        forwards run here (module note). The draft's sequence is left holding the
+        transcript, frontier included, with the frontier's row (the next round's draft
+        evaluates what it emits after that)."""
+        self._restore()
+        return self._tree(transcript, state, branching)
+        yield  # (a generator: the draft thread drives it like any draft)
+
+    def _tree(self, transcript: Sequence[int], state: Mt19937, branching: Sequence[int]):
+        cursor = self.cursor
+        seq = cursor.backend
+        owner = getattr(seq, "owner", None)
+        if not hasattr(owner, "evaluate_tree"):
+            raise RefusedError(
+                f"a tree round needs a draft that evaluates token trees on a sequence of its "
+                f"own (a torch draft); {type(seq).__name__} does not (set lane.tree_nodes = 0)"
+            )
+        if not branching:
+            return Draft([], [])
+        frontier, greedy = int(transcript[-1]), self.params.greedy
+        # greedy children are the row's largest weights: rows at T = 1, as wide as the most
+        # children any position gets (the verifier replays the same top-k of the same row)
+        params = dataclasses.replace(self.params, temperature=1.0) if greedy else self.params
+        width = max(branching) if greedy else self.q_top_k
+        cursor.hold(list(transcript[:-1]))
+        root: list[np.ndarray] = []
+
+        def rows_at(parents: list[int], tokens: list[int], positions: list[int]):
+            logits = owner.evaluate_tree(seq, [frontier, *tokens], parents)
+            root[:] = [logits[0]]
+            return [draft_row(logits[v], params, width) for v in positions]
+
+        tree = draft_tree(state.copy(), branching, rows_at, greedy)
+        seq.keep_path([])  # the frontier's KV kept, the nodes' dropped
+        cursor.record([frontier], np.asarray(root))
+        return Draft(list(tree.tokens), list(tree.wire_rows()), parents=list(tree.parents))
 
     def speculate(
         self,

@@ -54,6 +54,7 @@ from muser.errors import RefusedError
 from muser.records import Signed
 from muser.stats import LaneStats
 from muser.tasks import in_background
+from muser.tree import tree_depth
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac import journal
 from proposer_mac.ahead import DraftingAhead, look_ahead
@@ -164,8 +165,12 @@ class SessionRunner:
     def _start_draft(self) -> asyncio.Future:
         """Draft the next round in the draft thread; returns (proposal, seconds)."""
         s = self.session
-        depth = s.width.choose(s.params.max_tokens - len(s.emitted))
-        steps = self.drafter.draft_steps(list(s.transcript), s.state, depth)
+        remaining = s.params.max_tokens - len(s.emitted)
+        if s.tree_shape:  # a tree as deep as still fits (a round emits depth + 1 at most)
+            shape = s.tree_shape[: max(0, remaining - 1)]
+            steps = self.drafter.tree_steps(list(s.transcript), s.state, shape)
+        else:
+            steps = self.drafter.draft_steps(list(s.transcript), s.state, s.width.choose(remaining))
         return self.core.drafts.draft(self.drafter, steps)
 
     async def _drive(self, loop: _Loop) -> None:
@@ -193,6 +198,7 @@ class SessionRunner:
             proposal.q_rows,
             self.core.private,
             1 if proposal.drafts else s.width.decode_len(remaining),
+            parents=proposal.parents,
         )
         prepared = journal.encode_prepared(s.session_id, s.next_round, signed_request)
         await self._append(loop.checked, prepared)
@@ -494,7 +500,11 @@ class SessionRunner:
         self.stats.wal_s += raw.wal_s + (time.perf_counter() - t2)
         self.stats.sign_s += raw.sign_s
         self.stats.transport_s += max(0.0, (t1 - t0) - remote)
-        self.stats.observe_round(len(result.drafts), result.accepted, checked.emitted)
+        if result.is_tree:  # its depth is what it could accept (LaneStats.tree_nodes)
+            self.stats.tree_nodes += len(result.drafts)
+            self.stats.tree_shape = self.session.tree_shape
+        drafted = tree_depth(result.parents) if result.is_tree else len(result.drafts)
+        self.stats.observe_round(drafted, result.accepted, checked.emitted)
         self.stats.wall_s = time.perf_counter() - start
         await self._notify()
 

@@ -37,6 +37,7 @@ from muser.records import (
 )
 from muser.round import clip_emission
 from muser.sampling import SamplingParams, SparseRow
+from muser.tree import check_path
 from muser.width import FixedWidth, WidthPolicy
 
 
@@ -94,6 +95,9 @@ class ProposerSession:
     signer: str | None = None
     """The key id of the verifier that answered its last open: the only key whose results
     it takes (a result another verifier signed for one of its rounds is refused)."""
+    tree_shape: list[int] = field(default_factory=list)
+    """Children per position at each depth of the trees its rounds draft (lane.tree_nodes,
+    `muser.tree.shape_for_budget`); empty: chains. A speed setting, never journaled."""
     _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
     """The last result check_result passed and the MT state after it."""
 
@@ -169,6 +173,7 @@ class ProposerSession:
         private: keys.SigningKey,
         decode_len: int = 1,
         after: Outcome | None = None,
+        parents: Sequence[int] = (),
     ) -> Signed:
         """The signed request of the next round; with `after`, of the round after the one in
         flight, on that round's predicted outcome (`predict`)."""
@@ -189,6 +194,7 @@ class ProposerSession:
             tuple(sha256(c) for c in transcript_chunks(transcript)),
             self.open.proposer_key_id,
             decode_len,
+            tuple(int(p) for p in parents),
         )
         return Signed.of(request, private.sign)
 
@@ -201,6 +207,8 @@ class ProposerSession:
         if self.prepared is None or self.open.capture_layers:
             return None
         request = request_of(self.prepared)
+        if request.is_tree:  # (a tree's decision is not told early)
+            return None
         depth = len(request.drafts)
         if not 0 <= accepted <= depth or (decoded and depth):
             return None
@@ -272,12 +280,13 @@ class ProposerSession:
                 raise ResultRejected(f"result {name} is {got!r}, expected {expected!r}")
         if not 0 <= result.accepted <= depth:
             raise ResultRejected(f"result accepted {result.accepted} drafts of {depth}")
+        self._check_tree(request, result)
         emitted = result.emitted()
         vocab = self.open.target.vocab_size
         if any(not 0 <= t < vocab for t in (*result.decoded, result.next_frontier)):
             raise ResultRejected(f"result tokens {emitted} reach outside the vocabulary")
         self._check_decoded(request, result)
-        post = self._after(depth, result.accepted, len(emitted))
+        post = advance(self.state, result.draws(self.params.greedy))
         if result.post_state_digest != state_digest(post):
             raise ResultRejected("result post-round MT state digest does not match the draws")
         if result.transcript_digest != transcript_digest(self.transcript + emitted):
@@ -286,6 +295,27 @@ class ProposerSession:
             raise ResultRejected("result head is not H(prev_head ‖ round record)")
         self._checked = (result, post)  # apply() takes the post-round state from here
         return result
+
+    def _check_tree(self, request: RoundRequest, result: RoundResult) -> None:
+        """A tree round's result carries its request's topology and a path of it, accepted
+        node by node (`accepted` its length); a chain's carries neither."""
+        if result.parents != request.parents:
+            raise ResultRejected(
+                f"result topology {list(result.parents)}; the request's is {list(request.parents)}"
+            )
+        if not result.is_tree:
+            if result.path:
+                raise ResultRejected(f"result path {list(result.path)} in a chain round")
+            return
+        try:
+            check_path(result.parents, result.path)
+        except RefusedError as exc:
+            raise ResultRejected(f"result {exc}") from exc
+        if result.accepted != len(result.path) or result.decoded:
+            raise ResultRejected(
+                f"tree result accepts {result.accepted} along path {list(result.path)} and "
+                f"decodes {list(result.decoded)}; expected the path's length and nothing"
+            )
 
     def _check_decoded(self, request: RoundRequest, result: RoundResult) -> None:
         """A round with drafts decodes nothing; a decode round emits exactly the tokens it
@@ -337,12 +367,12 @@ class ProposerSession:
 
     def apply(self, result: RoundResult) -> list[int]:
         """Advance past a checked, journaled result; return the tokens to emit."""
-        depth, emitted = len(result.drafts), result.emitted()
+        emitted = result.emitted()
         checked = self._checked
         if checked is not None and checked[0] is result:
             self.state = checked[1]
         else:  # replayed from the journal at recovery: advance here
-            self.state = self._after(depth, result.accepted, len(emitted))
+            self.state = advance(self.state, result.draws(self.params.greedy))
         self._checked = None
         self.transcript += emitted
         self.head = result.head

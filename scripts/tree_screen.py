@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from muser.sampling import SamplingParams
+    from muser.tree import shape_nodes
     from muser_app.lanes.plain import run_plain
-    from muser_app.lanes.tree import parse_branching, run_local_tree, tree_nodes
+    from muser_app.lanes.tree import parse_branching, run_local_tree
     from muser_app.pairs import pair_prompts, resolve
     from muser_torch.backend import TorchBackend
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 verify_s, wall_s = verify_s + s.verify_s, wall_s + s.wall_s
             rows.append({
-                "temperature": temperature, "shape": shape, "nodes": tree_nodes(branching),
+                "temperature": temperature, "shape": shape, "nodes": shape_nodes(branching),
                 "depth": len(branching), "tokens_per_call": emitted / calls,
                 "accepted_per_call": accepted / calls,
                 "forward_cost_vs_decode": forward[shape],
@@ -108,7 +109,7 @@ def forward_costs(target, prompt: list[int], shapes: list[list[int]], repeats: i
     median wall of a one-token decode there (the tree's tokens do not move its cost)."""
     import statistics
 
-    from muser_app.lanes.tree import tree_nodes
+    from muser.tree import shape_nodes
 
     seq = target.sequence()
     seq.evaluate(prompt)
@@ -128,7 +129,7 @@ def forward_costs(target, prompt: list[int], shapes: list[list[int]], repeats: i
     one = median_s(decode)
     out = {}
     for branching in shapes:
-        n = tree_nodes(branching)
+        n = shape_nodes(branching)
         parents, level, nxt = [], [-1], []
         for k in branching:
             nxt = []

@@ -24,10 +24,13 @@ def _ours(
     draft_len: int,
     q_top_k: int,
     width: Callable[[], WidthPolicy] | None = None,
+    tree: list[int] | None = None,
 ) -> LaneFn:
-    """Our plain or local lane; `width` makes each run's width policy (default: fixed D)."""
+    """Our plain or local lane; `width` makes each run's width policy (default: fixed D);
+    `tree`: the local tree lane, trees of that shape."""
     from muser_app.lanes.local import run_local
     from muser_app.lanes.plain import run_plain
+    from muser_app.lanes.tree import run_local_tree
 
     def run(prompt: list[int], max_tokens: int) -> Sample:
         p = replace(params, max_tokens=max_tokens)
@@ -35,6 +38,9 @@ def _ours(
         cpu = time.process_time()  # this process, every thread: the lane runs alone in it
         if kind == "plain":
             r = run_plain(target, prompt, p)
+        elif tree:
+            draft.reset()
+            r = run_local_tree(target, draft, prompt, p, branching=tree, q_top_k=q_top_k)
         else:
             draft.reset()
             policy = width() if width is not None else None
@@ -203,13 +209,15 @@ def build_lanes(
     draft_range: tuple[int, int] | None = None,
     decode_len: int = 8,
     target_device: str = "cpu",
+    tree_nodes: int = 0,
 ) -> tuple[dict[str, LaneFn], dict[str, str]]:
     """The lanes to run, and a note per lane that could not be built (never silent) or whose
     set-up cost is kept out of its samples. `vllm_python`: the vLLM peer's interpreter
     (default: `muser_app.bench.vllm_peer.default_vllm_python`). `draft_range`: add `local-adaptive`,
     the local lane with `AdaptiveWidth` in that range (draftless rounds decode `decode_len`).
     `target_device`: where the plain and local lanes run the target (the peers run on CPU,
-    so they are skipped, with a note, on any other device)."""
+    so they are skipped, with a note, on any other device). `tree_nodes`: add `local-tree`,
+    the local tree lane with trees of at most that many nodes, draft_len deep."""
     from muser_app.bench.vllm_peer import PEER, default_vllm_python
     from proposer_mac.backends import load_draft_backend
     from verifier_gx.backends import load_target_backend
@@ -232,6 +240,17 @@ def build_lanes(
             lambda: AdaptiveWidth(draft_len, lo, hi, decode_len),
         )
     notes: dict[str, str] = {}
+    if tree_nodes:  # the tree lane beside the chain, same D, same prompts
+        from muser.tree import shape_for_budget
+
+        shape = shape_for_budget(tree_nodes, draft_len)
+        if not shape or not hasattr(draft, "evaluate_tree"):
+            notes["local-tree"] = (
+                f"skipped: trees need --draft-len >= 1 and a torch draft ({draft_backend})"
+            )
+        else:
+            lanes["local-tree"] = _ours("local", target, draft, params, draft_len, q_top_k,
+                                        tree=shape)  # fmt: skip
     if peers and target_device != "cpu":
         notes["peers"] = f"peers run the target on CPU; skipped with the target on {target_device}"
     elif peers and params.greedy and draft_backend == "ngram":

@@ -81,6 +81,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="drafts per round D (default 4; with --lane cluster: the cluster's lane.draft_len)",
     )
     g.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local lane: draft each round as a token tree of at most N nodes, --draft-len "
+        "deep, judged in one target call (torch draft and target; docs/trees.md); "
+        "--lane cluster: the cluster's lane.tree_nodes decides",
+    )
+    g.add_argument(
         "--width",
         choices=["fixed", "adaptive"],
         default=None,
@@ -135,6 +144,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="override rope_theta read from the checkpoint config (both models)",
     )
+
+
+def local_tree(args: argparse.Namespace) -> list[int]:
+    """The local lane's tree shape from --tree-nodes (`muser.tree.shape_for_budget`, as deep
+    as --draft-len); empty: chains."""
+    from muser.tree import shape_for_budget
+
+    if args.tree_nodes is None:
+        return []
+    if not 1 <= args.tree_nodes <= 64:
+        raise RefusedError(f"--tree-nodes {args.tree_nodes} received; expected 1 to 64")
+    if args.width == "adaptive":
+        raise RefusedError("--tree-nodes drafts trees of one shape; it takes no --width adaptive")
+    depth = LOCAL_DRAFT_LEN if args.draft_len is None else args.draft_len
+    if depth < 1:
+        raise RefusedError(f"--tree-nodes needs --draft-len >= 1 (the tree's depth), got {depth}")
+    return shape_for_budget(args.tree_nodes, depth)
 
 
 def local_width(args: argparse.Namespace):

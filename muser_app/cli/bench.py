@@ -22,6 +22,7 @@ def _run_meta(args, pair, params, draft_range) -> dict:
         "params": vars(params) | {"stop_tokens": list(params.stop_tokens)},
         "draft_len": args.draft_len,
         "draft_range": list(draft_range) if draft_range else None,
+        "tree_nodes": getattr(args, "tree_nodes", 0),
         "target_device": args.target_device,
         "max_tokens": args.max_tokens,
     }
@@ -51,6 +52,15 @@ def register(sub, name: str, help_text: str) -> None:
         help="also run the local and cluster lanes with adaptive width in [LO, HI] "
         "(lanes local-adaptive, cluster@Xms-adaptive), beside the fixed --draft-len ones; "
         "--suite sessions: the sessions run adaptive in [LO, HI] instead of fixed",
+    )
+    p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the local tree lane (local-tree): trees of at most N nodes, --draft-len "
+        "deep (docs/trees.md); the cluster's tree lane is a variant, e.g. --cluster-variant "
+        "'tree: lane.tree_nodes=N'",
     )
     p.add_argument(
         "--q-top-k",
@@ -110,6 +120,12 @@ def register(sub, name: str, help_text: str) -> None:
         "verifier.cpus=none'; code=PATH runs the variant's daemons from the checkout at PATH "
         "(an A/B of two trees' code, e.g. 'old: code=../muser-old'); repeatable",
     )
+    p.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="run the cluster lanes of the --cluster-variant clusters only, not the base "
+        "cluster's (e.g. when only variants that lower lane.acceptance_floor qualify)",
+    )
     p.add_argument("--periodic", action="store_true", help="the periodic control (labelled)")
     p.add_argument(
         "--widen-target",
@@ -163,6 +179,9 @@ def _check_counts(args: argparse.Namespace) -> None:
 
     least = {"--max-tokens": (args.max_tokens, 1), "--repeats": (args.repeats, 1)}
     least |= {"--draft-len": (args.draft_len, 0), "--q-top-k": (args.q_top_k, 1)}
+    least |= {"--tree-nodes": (args.tree_nodes, 0)}
+    if args.tree_nodes > 64:
+        raise RefusedError(f"--tree-nodes must be <= 64 (lane.tree_nodes), got {args.tree_nodes}")
     least |= {"--widen-target": (args.widen_target, 1), "--widen-draft": (args.widen_draft, 1)}
     if args.suite == "lanes":
         least["--prompts"] = (args.prompts, 1)
@@ -240,6 +259,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
+    from muser.errors import RefusedError
     from muser.sampling import SamplingParams
     from muser_app.bench.lanes import build_lanes
     from muser_app.bench.run import format_table, run_bench, summarise, write_receipt
@@ -249,6 +269,8 @@ def _run_lanes(args: argparse.Namespace) -> int:
 
     delays = args.cluster_delays  # milliseconds (_check_counts)
     variants = _variants(args.cluster_variant, delays)
+    if args.variants_only and not variants:
+        raise RefusedError("--variants-only runs the --cluster-variant clusters: give one")
     if args.periodic:
         pair, name = _widened(build_fixtures(progress=not args.json).periodic, args), "toy"
         args.draft_backend = args.draft_backend or "torch"
@@ -274,11 +296,13 @@ def _run_lanes(args: argparse.Namespace) -> int:
         vllm_python=args.vllm_python,
         draft_range=draft_range,
         target_device=args.target_device,
+        tree_nodes=args.tree_nodes,
     )
     from muser_app.bench.cluster import cluster_lanes
 
     with contextlib.ExitStack() as stack:
-        for variant, settings in ([(None, None)] if delays else []) + list(variants.items()):
+        base = [(None, None)] if delays and not args.variants_only else []
+        for variant, settings in base + list(variants.items()):
             got = stack.enter_context(
                 cluster_lanes(
                     pair.target,

@@ -45,6 +45,9 @@ draft_len = {draft_len}
 width = "adaptive"
 # tokens a draftless round (D = 0) asks the verifier to decode itself
 decode_len = 8
+# token trees: each round drafts a tree of at most this many nodes, draft_len deep, judged
+# in one target call (torch draft and target; docs/trees.md); 0 = chains
+tree_nodes = {tree_nodes}
 q_top_k = {q_top_k}
 # draft the rounds of concurrent sessions together, one batched draft forward per step
 # (torch drafts; mlx and windowed drafts draft each session alone)
@@ -130,6 +133,14 @@ def register(sub, name: str, help_text: str) -> None:
     )
     init.add_argument("--draft-len", type=int, default=4)
     init.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="lane.tree_nodes: draft each round as a token tree of at most N nodes, "
+        "--draft-len deep (torch draft and target; 0, the default, drafts chains)",
+    )
+    init.add_argument(
         "--force",
         action="store_true",
         help="overwrite an existing cluster.toml and the keys (and certificates) beside it",
@@ -198,6 +209,7 @@ def init_cluster(
     draft: Path | None = None,
     draft_backend: str | None = None,
     draft_len: int = 4,
+    tree_nodes: int = 0,
     force: bool = False,
     pair: str | None = None,
     draft_kind: str | None = None,
@@ -225,6 +237,10 @@ def init_cluster(
             raise RefusedError(f"--api-key: it {exc}") from exc
     if not 0 <= draft_len <= 64:
         raise RefusedError(f"--draft-len {draft_len} received; expected 0 to 64 (lane.draft_len)")
+    if not 0 <= tree_nodes <= 64:
+        raise RefusedError(
+            f"--tree-nodes {tree_nodes} received; expected 0 (chains) to 64 (lane.tree_nodes)"
+        )
     from muser_app.cli._common import pair_models
 
     models = pair_models(
@@ -266,6 +282,7 @@ def init_cluster(
             draft=Path(draft).resolve(),
             draft_backend=draft_backend,
             draft_len=draft_len,
+            tree_nodes=tree_nodes,
             q_top_k=DEFAULT_Q_TOP_K,
             **_floor(draft_backend),
             proposer_cpus=proposer_cpus,
@@ -300,6 +317,7 @@ def run_init(args: argparse.Namespace) -> int:
         draft=args.draft,
         draft_backend=args.draft_backend,
         draft_len=args.draft_len,
+        tree_nodes=args.tree_nodes,
         force=args.force,
         tls=args.tls,
         api_key=args.api_key,

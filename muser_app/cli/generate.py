@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from muser_app.cli._common import (
         TextStreamer,
         encode_prompt,
+        local_tree,
         local_width,
         open_models,
         read_prompt,
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         check_wire_ranges(args, params)
         return generate_cluster(args, params, text)
     width = local_width(args) if args.lane == "local" else None  # refused before loading
+    tree = local_tree(args) if args.lane == "local" else []
     models = open_models(args, need_draft=args.lane == "local")
     prompt = encode_prompt(models.tokenizer, text)
     from muser.sampling import check_stop_tokens
@@ -64,6 +66,18 @@ def run(args: argparse.Namespace) -> int:
         from muser_app.lanes.plain import run_plain
 
         result = run_plain(models.target, prompt, params, on_tokens=streamer)
+    elif tree:
+        from muser_app.lanes.tree import run_local_tree
+
+        result = run_local_tree(
+            models.target,
+            models.draft,
+            prompt,
+            params,
+            branching=tree,
+            q_top_k=DEFAULT_Q_TOP_K if args.q_top_k is None else args.q_top_k,
+            on_tokens=streamer,
+        )
     else:
         from muser_app.lanes.local import run_local
 
@@ -96,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 ("tokens/s", f"{s.tokens_per_s:.1f}"),
                 ("split draft/verify", f"{s.draft_s:.3f} s / {s.verify_s:.3f} s"),
                 ("rounds by D", _by_width(s.draft_len_hist)),
+                *_tree_rows(s),
             ]
         )
     )
@@ -113,11 +128,12 @@ CLUSTER_DECIDES = {
     "rope_theta": "the target's checkpoint decides, on the verifier",
     "width": "its lane.width in cluster.toml decides (--draft-len asks for one D)",
     "draft_range": "its lane.draft_len_min and lane.draft_len_max decide",
+    "tree_nodes": "its lane.tree_nodes in cluster.toml decides",
 }
 """Flags a cluster lane does not take, and why: what decides them there instead."""
 
 DRAFT_FLAGS = ("draft", "draft_backend", "draft_len", "draft_window", "q_top_k", "width")
-DRAFT_FLAGS += ("draft_range",)
+DRAFT_FLAGS += ("draft_range", "tree_nodes")
 """Flags of the draft, which --lane plain does not run."""
 
 
@@ -163,6 +179,15 @@ def check_wire_ranges(args: argparse.Namespace, params) -> None:
     ):
         if not 0 <= value <= UINT32:
             raise RefusedError(f"{flag} {value} received; expected 0 to {UINT32}")
+
+
+def _tree_rows(s) -> list[tuple[str, str]]:
+    """The stats table's tree line, for a lane that drafted trees."""
+    if not s.tree_shape:
+        return []
+    per_round = s.tree_nodes / max(1, s.rounds)
+    shape = ",".join(map(str, s.tree_shape))
+    return [("tree", f"shape {shape}, {s.tree_nodes} nodes ({per_round:.1f} a round)")]
 
 
 def _by_width(hist: dict[int, int]) -> str:

@@ -168,15 +168,18 @@ def compare_with_oracle(
     tokens: int,
     tolerance: float,
     progress: bool = True,
+    tree_shape: Sequence[int] = (),
 ) -> Evidence:
-    """Decode every prompt greedily with plain decode and with the lane; the Evidence, or
-    QualificationFailed at the first token that differs or target row beyond `tolerance`."""
+    """Decode every prompt greedily with plain decode and with the lane (its tree lane when
+    `tree_shape` is given: lane.tree_nodes); the Evidence, or QualificationFailed at the
+    first token that differs or target row beyond `tolerance`."""
     from tqdm import tqdm
 
     from cluster_config.qualification import Evidence, QualificationFailed, prompts_digest
     from muser.sampling import SamplingParams
     from muser_app.lanes.local import run_local
     from muser_app.lanes.plain import run_plain
+    from muser_app.lanes.tree import run_local_tree
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
     worst, rows, drafted, accepted = 0.0, 0, 0, 0
@@ -197,14 +200,22 @@ def compare_with_oracle(
             oracle = run_plain(
                 target, prompt, params, record_rows=True, on_tokens=lambda t: bar.update(len(t))
             )
-            bar.set_postfix_str(f"{where} lane D={draft_len}")
+            bar.set_postfix_str(
+                f"{where} lane " + (f"tree {tree_shape}" if tree_shape else f"D={draft_len}")
+            )
             target.reset()
             draft.reset()
             watch = _SameAsOracle(oracle.tokens, where, bar)
-            lane = run_local(
-                target, draft, prompt, params, draft_len=draft_len, q_top_k=q_top_k,
-                record_rows=True, on_tokens=watch,
-            )  # fmt: skip
+            if tree_shape:
+                lane = run_local_tree(
+                    target, draft, prompt, params, branching=tree_shape, q_top_k=q_top_k,
+                    record_rows=True, on_tokens=watch,
+                )  # fmt: skip
+            else:
+                lane = run_local(
+                    target, draft, prompt, params, draft_len=draft_len, q_top_k=q_top_k,
+                    record_rows=True, on_tokens=watch,
+                )  # fmt: skip
             if watch.count < len(oracle.tokens):  # the lane stopped early
                 watch.fail(None, oracle.tokens[watch.count])
             position, diff = _worst_row(lane.rows, oracle.rows, where)
@@ -262,6 +273,7 @@ def qualify(
     from cluster_config import qualification
     from cluster_config.qualification import MIN_TOKENS, QualificationFailed
     from muser import keys
+    from muser.tree import shape_for_budget
     from muser_app.checks import check_config
     from muser_app.cli._common import encode_prompt
     from muser_app.pairs import check_pair, pair_prompts
@@ -295,6 +307,7 @@ def qualify(
             tokens=tokens,
             tolerance=tolerance,
             progress=progress,
+            tree_shape=shape_for_budget(lane.tree_nodes, lane.draft_len),
         )
         problems = qualification.evidence_problems(evidence, lane.acceptance_floor)
         if problems:

@@ -25,7 +25,7 @@ from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K, clip_emission
 from muser.sampling import SamplingParams, draft_row, target_probs
 from muser.stats import LaneStats
-from muser.tree import Tree, draft_tree, judge_tree
+from muser.tree import Tree, draft_tree, judge_tree, shape_nodes, tree_depth
 from muser.verify import judge_round
 from muser_app.lanes.result import GenerationResult
 
@@ -43,15 +43,6 @@ def parse_branching(text: str) -> list[int]:
     return out
 
 
-def tree_nodes(branching: Sequence[int]) -> int:
-    """Most nodes a tree of this shape holds."""
-    total, level = 0, 1
-    for k in branching:
-        level *= k
-        total += level
-    return total
-
-
 def run_local_tree(
     target: ModelBackend,
     draft: ModelBackend,
@@ -60,8 +51,11 @@ def run_local_tree(
     *,
     branching: Sequence[int],
     q_top_k: int = DEFAULT_Q_TOP_K,
+    record_rows: bool = False,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
+    """`record_rows`: keep, for each emitted token, the target's row it was judged or
+    sampled from (float64 logits; what qualification compares with plain decode's)."""
     for name, backend in (("target", target), ("draft", draft)):
         if not hasattr(backend, "evaluate_tree"):
             raise ValueError(
@@ -71,9 +65,10 @@ def run_local_tree(
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     branching = list(branching)
-    budget = tree_nodes(branching)
+    budget = shape_nodes(branching)
     row_params = dataclasses.replace(params, temperature=1.0) if params.greedy else params
-    stats = LaneStats()
+    stats = LaneStats(tree_shape=branching)
+    rows: dict = {}
     t_seq, d_seq = target.sequence(), draft.sequence()
     if len(prompt) > 1:
         t_seq.evaluate(list(prompt[:-1]))
@@ -95,10 +90,11 @@ def run_local_tree(
         tree = draft_tree(rng.copy(), branching[:depth], rows_at, params.greedy) if depth else None
         t1 = time.perf_counter()
         if tree is None or tree.size == 0:  # a plain step: the bonus from the frontier's row
-            witness = target_probs(t_seq.evaluate([frontier]), params)
+            logits = t_seq.evaluate([frontier])
+            witness = target_probs(logits, params)
             d_seq.evaluate([frontier])
             decision = judge_round(rng, frontier, [], [], witness, greedy=params.greedy)
-            emitted, accepted, nodes = [decision.next_frontier], 0, 0
+            emitted, accepted, nodes, judged_at = [decision.next_frontier], 0, 0, [0]
         else:
             logits = target.evaluate_tree(t_seq, [frontier, *tree.tokens], tree.parents)
             witness = target_probs(logits, params)
@@ -108,12 +104,19 @@ def run_local_tree(
             t_seq.keep_path(decision.path)
             _keep_draft(d_seq, tree, decision.path, block[0])
             emitted, accepted, nodes = decision.emitted(tree), decision.accepted, tree.size
+            judged_at = [0, *(i + 1 for i in decision.path)]  # each emitted token's row
         rng = decision.post_state
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         emission = clip_emission(emitted, len(out), params.max_tokens, params.stop_tokens)
-        stats.observe_round(nodes, accepted, len(emission.tokens))
+        stats.observe_round(
+            tree_depth(tree.parents) if nodes else 0, accepted, len(emission.tokens)
+        )
+        stats.tree_nodes += nodes
+        if record_rows:
+            base = len(prompt) + len(out)
+            rows.update({base + j: logits[judged_at[j]] for j in range(len(emission.tokens))})
         out += emission.tokens
         frontier = int(emitted[-1])
         if on_tokens:
@@ -121,7 +124,7 @@ def run_local_tree(
         if emission.done:
             break
     stats.wall_s = time.perf_counter() - start
-    return GenerationResult("local-tree", "", out, len(prompt), stats)
+    return GenerationResult("local-tree", "", out, len(prompt), stats, rows)
 
 
 def _keep_draft(d_seq, tree: Tree, path: tuple[int, ...], in_block: int) -> None:

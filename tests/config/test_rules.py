@@ -338,3 +338,32 @@ def test_each_machine_needs_only_its_own_checkpoint(cluster_file, tiny_pair, unq
     set_value(cluster_file, "proposer.draft", str(cluster_file.parent / "on-the-mac"))
     assert main(["config", "check", str(cluster_file), "--role", "verifier"]) == 0
     assert "proposer.draft" in refused(cluster_file, capsys, "--role", "proposer")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("proposer.backend", "mlx", "lane.tree_nodes 16 needs proposer.backend 'torch'"),
+        ("verifier.backend", "vllm", "lane.tree_nodes 16 needs verifier.backend 'torch'"),
+        ("lane.capture_layers", [0], "with lane.capture_layers [0]: capturing sessions send"),
+    ],
+)
+def test_a_tree_lane_needs_torch_on_both_sides_and_no_capture(cluster_file, key, value, says, capsys):
+    set_value(cluster_file, "lane.tree_nodes", 16)
+    set_value(cluster_file, key, value)
+    err = refused(cluster_file, capsys)
+    assert says in err and "set lane.tree_nodes = 0" in err
+
+
+def test_tree_nodes_out_of_range_refused(cluster_file, capsys):
+    set_value(cluster_file, "lane.tree_nodes", 65)
+    assert "lane.tree_nodes" in refused(cluster_file, capsys)
+
+
+def test_config_init_writes_tree_nodes(tmp_path, tiny_pair, capsys):
+    path = init_cluster(tmp_path / "t", target=tiny_pair[0], draft=tiny_pair[1], tree_nodes=16)
+    assert load_config(path).lane.tree_nodes == 16
+    assert main(["config", "init", "--dir", str(tmp_path / "u"), "--target", str(tiny_pair[0]),
+                 "--draft", str(tiny_pair[1]), "--tree-nodes", "65"]) == 2  # fmt: skip
+    assert "--tree-nodes 65 received; expected 0 (chains) to 64" in capsys.readouterr().err
+    assert not (tmp_path / "u" / "cluster.toml").exists()

@@ -31,6 +31,9 @@ from muser_app.cli.main import main
         (["--widen-target", "0"], "--widen-target must be >= 1, got 0"),
         (["--suite", "sessions", "--widen-target", "-4"], "--widen-target must be >= 1, got -4"),
         (["--widen-draft", "0"], "--widen-draft must be >= 1, got 0"),
+        (["--tree-nodes", "-1"], "--tree-nodes must be >= 0, got -1"),
+        (["--tree-nodes", "65"], "--tree-nodes must be <= 64 (lane.tree_nodes), got 65"),
+        (["--variants-only"], "--variants-only runs the --cluster-variant clusters: give one"),
     ],
 )
 def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, monkeypatch):
@@ -49,7 +52,7 @@ def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, mo
 def namespace(**kw) -> argparse.Namespace:
     base = dict(suite="lanes", max_tokens=4, repeats=1, draft_len=4, q_top_k=8, prompts=1)
     base |= dict(temperature=0.0, seed=0, cluster_delays="0", sessions="1,8")
-    base |= dict(widen_target=1, widen_draft=1)
+    base |= dict(widen_target=1, widen_draft=1, tree_nodes=0)
     return argparse.Namespace(**(base | kw))
 
 

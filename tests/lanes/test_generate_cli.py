@@ -111,6 +111,29 @@ def test_q_top_k_takes_effect(capsys):
     assert code == 2 and "--q-top-k 0 received; expected >= 1" in err
 
 
+def test_tree_nodes_takes_effect_and_is_refused_where_it_means_nothing(capsys):
+    """--tree-nodes runs the local tree lane (greedy: plain decode's text) in the shape its
+    budget gives; it is refused with an adaptive width, on the plain and cluster lanes, and
+    out of range."""
+    flags = ["--lane", "local", "--max-tokens", "48"]
+    code, tree, _ = generate(capsys, *flags, "--tree-nodes", "16", prompt=None)
+    assert code == 0 and tree["lane"] == "local-tree"
+    assert tree["stats"]["tree"]["shape"] == [4, 1, 1, 1] and tree["stats"]["tree"]["nodes"] > 0
+    _, plain, _ = generate(capsys, "--lane", "plain", "--max-tokens", "48", prompt=None)
+    assert tree["tokens"] == plain["tokens"]
+    for extra, says in [
+        (["--width", "adaptive"], "it takes no --width adaptive"),
+        (["--tree-nodes", "0"], "--tree-nodes 0 received; expected 1 to 64"),
+        (["--draft-len", "0"], "--tree-nodes needs --draft-len >= 1"),
+    ]:
+        code, _, err = generate(capsys, *flags, "--tree-nodes", "16", *extra, prompt=None)
+        assert code == 2 and says in err, err
+    code, _, err = generate(capsys, "--lane", "plain", "--tree-nodes", "16")
+    assert code == 2 and "--tree-nodes is a draft flag" in err
+    code, _, err = generate(capsys, "--lane", "cluster", "--tree-nodes", "16", "--config", "x")
+    assert code == 2 and "--tree-nodes is not taken by --lane cluster: its lane.tree_nodes" in err
+
+
 def test_width_flags_are_refused_where_they_mean_nothing(capsys):
     code, _, err = generate(
         capsys, "--lane", "local", "--width", "adaptive", "--draft-range", "5:8"

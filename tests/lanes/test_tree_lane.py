@@ -8,9 +8,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from muser.sampling import SamplingParams
+from muser.tree import shape_nodes
 from muser_app.fixtures import build_fixtures, natural_prompts
 from muser_app.lanes.plain import run_plain
-from muser_app.lanes.tree import parse_branching, run_local_tree, tree_nodes
+from muser_app.lanes.tree import parse_branching, run_local_tree
 from proposer_mac.backends import load_draft_backend
 from verifier_gx.backends import load_target_backend
 
@@ -66,7 +67,7 @@ def test_wider_trees_emit_more_tokens_per_target_call(natural):
 
 def test_a_shape_is_children_per_depth():
     assert parse_branching("3,2,1") == [3, 2, 1]
-    assert tree_nodes([3, 2, 1]) == 3 + 6 + 6
+    assert shape_nodes([3, 2, 1]) == 3 + 6 + 6
     for bad in ("", "3,0", "a,b", "-1"):
         with pytest.raises(ValueError, match="children per depth"):
             parse_branching(bad)

@@ -253,14 +253,17 @@ def test_proposer_exports_its_pool_counters(tmp_path):
 
 
 def test_proposer_exports_its_capture_counters(tmp_path):
-    """A conditioned draft's features: the bytes results named, the time installing them."""
+    """A conditioned draft's features: the bytes results named, the time installing them;
+    and the nodes its tree rounds drafted."""
     lane = LaneStats()
-    lane.capture_bytes, lane.feature_install_s = 6912, 0.25
+    lane.capture_bytes, lane.feature_install_s, lane.tree_nodes = 6912, 0.25, 48
     view = DaemonView("proposer", "p", lane, DaemonStats(), 1, 0, tmp_path, lane.clock())
     got = samples(exposition(lambda: view))
+    assert got[("muser_tree_nodes_total", ())] == 48.0
     assert got[("muser_capture_bytes_total", ())] == 6912.0
     assert got[("muser_feature_install_seconds_total", ())] == 0.25
     other = LaneStats()
-    other.capture_bytes = 100
+    other.capture_bytes, other.tree_nodes = 100, 16
     lane.merge(other)  # the proposer sums its sessions
     assert lane.capture_bytes == 7012 and lane.to_dict()["capture"]["bytes"] == 7012
+    assert lane.to_dict()["tree"]["nodes"] == 64

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from muser import keys
+from muser.mt19937 import Mt19937
 from muser.records import (
     Identity,
     RoundRequest,
@@ -18,7 +20,8 @@ from muser.records import (
     state_digest,
     transcript_digest,
 )
-from muser.sampling import SamplingParams, target_probs
+from muser.sampling import SamplingParams, draft_row, target_probs
+from muser.tree import draft_tree, judge_tree, per_path
 from muser.verify import judge_round
 from proposer_mac.drafting import Drafter
 from proposer_mac.session import ProposerSession, ResultRejected
@@ -87,12 +90,17 @@ def test_an_honest_result_is_accepted_and_applied(setup):
     assert session.head == result.head and session.next_round == 1
 
 
-FIELDS = [f.name for f in dataclasses.fields(RoundResult) if f.name != "verifier_key_id"]
+FIELDS = [
+    f.name for f in dataclasses.fields(RoundResult) if f.name not in ("verifier_key_id", "path")
+]
+"""(A chain's canonical bytes carry no path: tree results' forgeries are below.)"""
 
 
 def _altered(value, field: str):
     if field == "decoded":  # empty in a round with drafts: any token there is a forgery
         return (*value, 1)
+    if field == "parents":  # a chain's result names no topology
+        return (*value, -1)
     if isinstance(value, bytes):
         return bytes([value[0] ^ 1]) + value[1:] if value else b"\x01"
     if isinstance(value, int):
@@ -180,3 +188,68 @@ def test_a_move_signs_the_request_in_flight_again_at_the_new_epoch_only(setup):
     assert (session.home, session.homes, session.moves, session.signer) == ("b", ["b"], 0, None)
     with pytest.raises(ResultRejected, match="result epoch is 1, expected 2"):
         session.check_result(again, signed, enrolled)
+
+
+def honest_tree_round(session: ProposerSession, proposer_key, verifier_key, branching=(2, 2)):
+    """One tree round (DESIGN.md §4.1) as an honest verifier answers it: the fake draft's
+    rows and the fake target's at every position of the tree, judged by `judge_tree`."""
+    params, transcript = session.params, list(session.transcript)
+
+    def last_row(backend, path):
+        return backend.evaluate([*transcript, *path])[-1]
+
+    rows = per_path(lambda path: draft_row(last_row(FakeBackend(order=1, salt=1), path), params, 8))
+    tree = draft_tree(session.state.copy(), list(branching), rows, params.greedy)
+    signed_req = session.build_request(
+        list(tree.tokens), list(tree.wire_rows()), proposer_key, parents=tree.parents
+    )
+    ends = [[]] + [[tree.tokens[i] for i in tree.path(n)] for n in range(tree.size)]
+    witness = target_probs(np.stack([last_row(FakeBackend(), e) for e in ends]), params)
+    decision = judge_tree(session.state, transcript[-1], tree, witness, greedy=params.greedy,
+                          max_nodes=64)  # fmt: skip
+    unsigned = RoundResult(
+        session.session_id, session.next_round, session.epoch, session.head,
+        sha256(signed_req.body), transcript[-1], tree.tokens, decision.accepted,
+        decision.next_frontier, state_digest(decision.post_state),
+        transcript_digest(transcript + decision.emitted(tree)), (), b"\0" * 32,
+        keys.key_id(verifier_key.public_key()), (), tree.parents, decision.path,
+    )  # fmt: skip
+    result = dataclasses.replace(unsigned, head=unsigned.expected_head())
+    return signed_req, Signed(result.encode(), verifier_key.sign(result.encode())), result
+
+
+def test_an_honest_tree_result_is_accepted_and_applied(setup):
+    session, proposer_key, verifier_key, enrolled = setup
+    signed_req, signed, result = honest_tree_round(session, proposer_key, verifier_key)
+    assert result.is_tree and len(result.drafts) == 6
+    checked = session.check_result(signed_req, signed, enrolled)
+    assert session.apply(checked) == result.emitted()
+    assert session.state == advance(Mt19937.from_seed(9), result.draws(False))
+
+
+def _other_path(result: RoundResult) -> tuple[int, ...]:
+    """A path of the same topology that is not the accepted one."""
+    options = [(), *((i,) for i, p in enumerate(result.parents) if p == -1)]
+    return next(p for p in options if p != result.path)
+
+
+TREE_FORGERIES = {
+    "another_path": lambda r: dataclasses.replace(r, path=_other_path(r),
+                                                  accepted=len(_other_path(r))),
+    "not_a_path": lambda r: dataclasses.replace(r, path=(len(r.drafts) - 1,), accepted=1),
+    "accepted_not_the_paths_length": lambda r: dataclasses.replace(r, accepted=r.accepted + 1),
+    "another_topology": lambda r: dataclasses.replace(r, parents=(-1,) * len(r.parents)),
+    "read_as_a_chain": lambda r: dataclasses.replace(r, parents=(), path=()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(TREE_FORGERIES))
+def test_a_forged_tree_result_is_refused(setup, case):
+    session, proposer_key, verifier_key, enrolled = setup
+    signed_req, _, result = honest_tree_round(session, proposer_key, verifier_key)
+    forged = TREE_FORGERIES[case](result)
+    forged = dataclasses.replace(forged, head=forged.expected_head())  # a consistent chain
+    resigned = Signed(forged.encode(), verifier_key.sign(forged.encode()))
+    with pytest.raises(ResultRejected):
+        session.check_result(signed_req, resigned, enrolled)
+    assert session.next_round == 0 and session.emitted == []

@@ -1,0 +1,92 @@
+"""Token trees in a real two-daemon cluster (issue 33): lane.tree_nodes in the cluster file,
+the proposer drafts each round as a tree (`Drafter.tree_steps`), the verifier judges every
+branch in one target call. Greedy text equals plain decode, qualification ran the tree lane,
+the stats report the shape, and SIGKILL of either daemon loses and repeats no token."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from muser.sampling import SamplingParams
+from muser_app.cli.cluster_client import stream_generate
+from muser_app.fixtures import natural_prompts
+from muser_app.lanes.plain import run_plain
+from tests.cluster.conftest import make_cluster
+from verifier_gx.backends import load_target_backend
+
+NODES = 16
+SHAPE = [4, 1, 1, 1]  # muser.tree.shape_for_budget(16, 4)
+
+
+@pytest.fixture
+def cluster(tmp_path, fixture_pair):
+    c = make_cluster(
+        tmp_path, fixture_pair, edit=lambda t: t.replace("tree_nodes = 0", f"tree_nodes = {NODES}")
+    )
+    c.start()
+    yield c
+    c.stop()
+
+
+def prompt_of(cluster, i: int) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(str(cluster.config.verifier.target))
+    return list(tok.encode(natural_prompts(4)[i], add_special_tokens=False))
+
+
+def oracle(cluster, prompt, params) -> list[int]:
+    target = load_target_backend("torch", cluster.config.verifier.target)
+    return run_plain(target, prompt, params).tokens
+
+
+def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
+    assert cluster.config.lane.tree_nodes == NODES
+    assert '"tree_nodes": 16' in cluster.config.lane.receipt.read_text()  # qualified as trees
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    rounds = emitted = 0
+    for i in range(4):
+        prompt = prompt_of(cluster, i)
+        got = stream_generate(cluster.address, prompt, params)
+        assert got["tokens"] == oracle(cluster, prompt, params), f"prompt {i}"
+        stats = got["stats"]
+        assert stats["tree"]["shape"] == SHAPE
+        assert stats["tree"]["nodes"] > stats["drafted"]  # wider than the chain of its depth
+        rounds, emitted = rounds + stats["rounds"], emitted + len(got["tokens"])
+    assert emitted / rounds > 1.5  # the toy pair's trees emit ~3 a round (docs/trees.md)
+
+
+def test_sampled_tree_cluster_repeats_for_a_seed(cluster) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=48, seed=5)
+    prompt = prompt_of(cluster, 1)
+    first = stream_generate(cluster.address, prompt, params)
+    second = stream_generate(cluster.address, prompt, params)
+    assert first["tokens"] == second["tokens"] and len(first["tokens"]) == 48
+
+
+@pytest.mark.parametrize("victim", ["proposer", "verifier"])
+def test_sigkill_mid_tree_generation_loses_no_token(cluster, victim) -> None:
+    from tests.cluster.test_crash import Client
+
+    prompt = prompt_of(cluster, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    want = oracle(cluster, prompt, params)
+    rng = random.Random(11)
+    client = Client(cluster.address, prompt, params, cluster.config.limits)
+    client.start()
+    kills = 0
+    for threshold in sorted(rng.sample(range(4, 110), 3)):
+        if not client.wait_for(threshold):
+            break
+        time.sleep(rng.uniform(0, 0.01))
+        daemon = getattr(cluster, victim)
+        daemon.kill()
+        daemon.start()
+        kills += 1
+    client.join(300)
+    assert client.error is None, f"{client.error}\n{cluster.proposer.log_tail()}"
+    assert kills == 3
+    assert client.result["tokens"] == want
+    assert client.result["stats"]["tree"]["nodes"] > 0
