@@ -227,10 +227,11 @@ class Lane(_Strict):
         le=64,
         description="Token trees (DESIGN.md §4.1): each round drafts a tree of at most this "
         "many nodes, draft_len deep, and the verifier judges every branch in one target "
-        "call; the shape is drawn from the budget (docs/trees.md). 0: chains. Both daemons "
-        "read it: the verifier judges trees of at most this many nodes, and only on a torch "
-        "target; the proposer needs a torch draft. A session that captures hidden rows "
-        "sends chains.",
+        "call. With width = \"fixed\" every tree has the budget's shape; with \"adaptive\" "
+        "each session learns among a few shapes (no draft, the chain, wider trees) from its "
+        "results and round times (docs/trees.md). 0: chains. Both daemons read it: the "
+        "verifier judges trees of at most this many nodes, and only on a torch target; the "
+        "proposer needs a torch draft. A session that captures hidden rows sends chains.",
     )
     q_top_k: int = Field(
         DEFAULT_Q_TOP_K,

@@ -158,7 +158,10 @@ class LaneStats:
     in `drafted` and its accepted path in `accepted`, so acceptance means what a chain's
     does: of the tokens a round could accept, those it did."""
     tree_shape: list[int] | None = None
-    """The shape its trees are drafted in (children per depth, root first); None: chains."""
+    """The shape its trees are drafted in (children per depth, root first; an adaptive
+    policy's current one); None: chains."""
+    tree_policy: dict | None = None
+    """The tree policy's own report (`muser.tree_width`), when the lane has one."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)
     """Per-round split, one histogram per phase this lane measures."""
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
@@ -286,6 +289,7 @@ class LaneStats:
                 "shape": self.tree_shape,
                 "nodes": self.tree_nodes,
                 "nodes_per_round": round(self.tree_nodes / max(1, self.rounds), 3),
+                "policy": self.tree_policy,
             },
             "rounds_by_draft_len": {str(k): n for k, n in sorted(self.draft_len_hist.items())},
             "width": self.width,

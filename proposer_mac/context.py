@@ -107,14 +107,14 @@ class DriverContext:
             )
         if on is not None:
             return  # a verifier left: its answer says nothing of whose results to take
-        if s.tree_shape and "tree-rounds" not in reply.features:
+        if s.tree is not None and "tree-rounds" not in reply.features:
             raise RoundRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "tree_rounds_unsupported",
                 f"the verifier at {member.address} judges chains only (features "
                 f"{list(reply.features)}; an older verifier, or one whose lane.tree_nodes is 0 "
                 f"or whose target is not torch); this proposer drafts trees of shape "
-                f"{s.tree_shape} (lane.tree_nodes): use the same cluster file on both daemons, "
+                f"{s.tree.to_dict()} (lane.tree_nodes): use the same cluster file on both daemons, "
                 "or set lane.tree_nodes = 0",
             )
         s.signer = reply.verifier_key_id

@@ -34,7 +34,7 @@ from muser.records import Identity, RoundResult
 from muser.sampling import SamplingParams, check_stop_tokens
 from muser.stats import DaemonStats, LaneStats
 from muser.tasks import in_background
-from muser.tree import shape_for_budget
+from muser.tree_width import TreePolicy, tree_policy
 from muser.width import FixedWidth, WidthPolicy, width_policy
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -230,7 +230,7 @@ class ProposerCore:
         # re-prefill each other's transcripts
         own = self.draft_batch or hasattr(self.draft, "fork")
         # a tree is drafted on a sequence of the draft's own (`Drafter.tree_steps`)
-        backend = draft_kv(self.draft, self.draft_batch or bool(session.tree_shape))
+        backend = draft_kv(self.draft, self.draft_batch or session.tree is not None)
         drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
@@ -329,14 +329,14 @@ class ProposerCore:
                 session_width(self.config.lane, js.draft_len, js.open.capture_layers),
             )
             session.homes = list(js.homes)
-            session.tree_shape = session_tree(
-                self.config.lane, js.draft_len, js.open.capture_layers
-            )
+            session.tree = session_tree(self.config.lane, js.draft_len, js.open.capture_layers)
             for signed in js.committed:
                 result = RoundResult.decode(signed.body)
                 session.apply(result)
                 session.last_result = signed
                 session.width.restore(len(result.drafts), result.accepted, len(result.emitted()))
+                if session.tree is not None:
+                    session.tree.restore(result.parents, result.path)
             session.prepared, session.ahead = js.prepared, js.ahead
             if not js.done and session.home is not None and session.home not in self.pool.members:
                 # its verifier left the cluster file: it moves to one there before it resumes
@@ -437,7 +437,7 @@ class ProposerCore:
             self.capture_layers,
             width=session_width(lane, draft_len, self.capture_layers),
         )
-        session.tree_shape = session_tree(lane, draft_len, self.capture_layers)
+        session.tree = session_tree(lane, draft_len, self.capture_layers)
         left = asyncio.Event()
         opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left, detached))
         try:
@@ -556,13 +556,16 @@ def session_capture_layers(lane: Lane, draft) -> tuple[int, ...]:
     return own or tuple(lane.capture_layers)
 
 
-def session_tree(lane: Lane, draft_len: int, capture_layers=()) -> list[int]:
-    """A session's tree shape (`muser.tree.shape_for_budget`): lane.tree_nodes nodes, as deep
-    as the D it asked for (or lane.draft_len); empty (chains) without a budget or when the
-    session captures hidden rows (its rounds' rows are those of one committed path)."""
-    if not lane.tree_nodes or capture_layers:
-        return []
-    return shape_for_budget(lane.tree_nodes, draft_len or lane.draft_len)
+def session_tree(lane: Lane, draft_len: int, capture_layers=()) -> TreePolicy | None:
+    """A session's tree policy (`muser.tree_width`): trees of lane.tree_nodes nodes, as deep
+    as the D it asked for (or lane.draft_len), in the budget's shape (lane.width "fixed") or
+    learning among shapes (lane.width "adaptive"); None (chains) without a budget, without a
+    depth, or when the session captures hidden rows (its rounds' rows are those of one
+    committed path)."""
+    depth = draft_len or lane.draft_len
+    if not lane.tree_nodes or capture_layers or depth < 1:
+        return None
+    return tree_policy(lane.width, lane.tree_nodes, min(depth, lane.tree_nodes), lane.decode_len)
 
 
 def session_width(lane: Lane, draft_len: int, capture_layers=()) -> WidthPolicy:

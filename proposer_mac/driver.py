@@ -166,9 +166,8 @@ class SessionRunner:
         """Draft the next round in the draft thread; returns (proposal, seconds)."""
         s = self.session
         remaining = s.params.max_tokens - len(s.emitted)
-        if s.tree_shape:  # a tree as deep as still fits (a round emits depth + 1 at most)
-            shape = s.tree_shape[: max(0, remaining - 1)]
-            steps = self.drafter.tree_steps(list(s.transcript), s.state, shape)
+        if s.tree is not None:  # (never deeper than still fits: a round emits depth + 1)
+            steps = self.drafter.tree_steps(list(s.transcript), s.state, s.tree.choose(remaining))
         else:
             steps = self.drafter.draft_steps(list(s.transcript), s.state, s.width.choose(remaining))
         return self.core.drafts.draft(self.drafter, steps)
@@ -322,6 +321,9 @@ class SessionRunner:
             round_s=t1 - loop.round_start,
         )
         self.stats.width = s.width.to_dict()
+        if s.tree is not None:
+            s.tree.observe(result.parents, result.path, round_s=t1 - loop.round_start)
+            self.stats.tree_policy = s.tree.to_dict()
         loop.draft_s, loop.round_start = 0.0, t1
         # COMMITTED is written with the next PREPARED (module note): one fsync, not two
         loop.checked = _Checked(
@@ -502,7 +504,7 @@ class SessionRunner:
         self.stats.transport_s += max(0.0, (t1 - t0) - remote)
         if result.is_tree:  # its depth is what it could accept (LaneStats.tree_nodes)
             self.stats.tree_nodes += len(result.drafts)
-            self.stats.tree_shape = self.session.tree_shape
+            self.stats.tree_shape = self.session.tree.to_dict().get("shape")
         drafted = tree_depth(result.parents) if result.is_tree else len(result.drafts)
         self.stats.observe_round(drafted, result.accepted, checked.emitted)
         self.stats.wall_s = time.perf_counter() - start

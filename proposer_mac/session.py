@@ -38,6 +38,7 @@ from muser.records import (
 from muser.round import clip_emission
 from muser.sampling import SamplingParams, SparseRow
 from muser.tree import check_path
+from muser.tree_width import TreePolicy
 from muser.width import FixedWidth, WidthPolicy
 
 
@@ -95,9 +96,9 @@ class ProposerSession:
     signer: str | None = None
     """The key id of the verifier that answered its last open: the only key whose results
     it takes (a result another verifier signed for one of its rounds is refused)."""
-    tree_shape: list[int] = field(default_factory=list)
-    """Children per position at each depth of the trees its rounds draft (lane.tree_nodes,
-    `muser.tree.shape_for_budget`); empty: chains. A speed setting, never journaled."""
+    tree: TreePolicy | None = None
+    """Chooses the shape of each tree its rounds draft (lane.tree_nodes and lane.width,
+    `muser.tree_width`); None: chains. A speed policy, never journaled."""
     _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
     """The last result check_result passed and the MT state after it."""
 

@@ -6,12 +6,14 @@ environment, `muser_app.bench.vllm_peer`). A peer that cannot run is a note, nev
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from muser.sampling import SamplingParams
+from muser.tree_width import TreePolicy
 from muser.width import AdaptiveWidth, WidthPolicy
 from muser_app.bench.sample import LaneFn, Sample
 
@@ -24,10 +26,10 @@ def _ours(
     draft_len: int,
     q_top_k: int,
     width: Callable[[], WidthPolicy] | None = None,
-    tree: list[int] | None = None,
+    tree: Callable[[], TreePolicy] | None = None,
 ) -> LaneFn:
     """Our plain or local lane; `width` makes each run's width policy (default: fixed D);
-    `tree`: the local tree lane, trees of that shape."""
+    `tree` each run's tree policy (the local tree lane)."""
     from muser_app.lanes.local import run_local
     from muser_app.lanes.plain import run_plain
     from muser_app.lanes.tree import run_local_tree
@@ -38,9 +40,9 @@ def _ours(
         cpu = time.process_time()  # this process, every thread: the lane runs alone in it
         if kind == "plain":
             r = run_plain(target, prompt, p)
-        elif tree:
+        elif tree is not None:
             draft.reset()
-            r = run_local_tree(target, draft, prompt, p, branching=tree, q_top_k=q_top_k)
+            r = run_local_tree(target, draft, prompt, p, policy=tree(), q_top_k=q_top_k)
         else:
             draft.reset()
             policy = width() if width is not None else None
@@ -217,7 +219,8 @@ def build_lanes(
     the local lane with `AdaptiveWidth` in that range (draftless rounds decode `decode_len`).
     `target_device`: where the plain and local lanes run the target (the peers run on CPU,
     so they are skipped, with a note, on any other device). `tree_nodes`: add `local-tree`,
-    the local tree lane with trees of at most that many nodes, draft_len deep."""
+    the local tree lane with trees of at most that many nodes, draft_len deep, in the
+    budget's shape, and `local-tree-adaptive`, learning among shapes (`muser.tree_width`)."""
     from muser_app.bench.vllm_peer import PEER, default_vllm_python
     from proposer_mac.backends import load_draft_backend
     from verifier_gx.backends import load_target_backend
@@ -240,17 +243,19 @@ def build_lanes(
             lambda: AdaptiveWidth(draft_len, lo, hi, decode_len),
         )
     notes: dict[str, str] = {}
-    if tree_nodes:  # the tree lane beside the chain, same D, same prompts
-        from muser.tree import shape_for_budget
+    if tree_nodes:  # the tree lanes beside the chain, same D, same prompts
+        from muser.tree_width import tree_policy
 
-        shape = shape_for_budget(tree_nodes, draft_len)
-        if not shape or not hasattr(draft, "evaluate_tree"):
+        if not 1 <= draft_len <= tree_nodes or not hasattr(draft, "evaluate_tree"):
             notes["local-tree"] = (
-                f"skipped: trees need --draft-len >= 1 and a torch draft ({draft_backend})"
+                f"skipped: trees need 1 <= --draft-len <= --tree-nodes and a torch draft "
+                f"({draft_backend})"
             )
         else:
-            lanes["local-tree"] = _ours("local", target, draft, params, draft_len, q_top_k,
-                                        tree=shape)  # fmt: skip
+            for name, mode in (("local-tree", "fixed"), ("local-tree-adaptive", "adaptive")):
+                policy = functools.partial(tree_policy, mode, tree_nodes, draft_len)
+                lanes[name] = _ours("local", target, draft, params, draft_len, q_top_k,
+                                    tree=policy)  # fmt: skip
     if peers and target_device != "cpu":
         notes["peers"] = f"peers run the target on CPU; skipped with the target on {target_device}"
     elif peers and params.greedy and draft_backend == "ngram":

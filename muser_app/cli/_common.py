@@ -146,21 +146,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def local_tree(args: argparse.Namespace) -> list[int]:
-    """The local lane's tree shape from --tree-nodes (`muser.tree.shape_for_budget`, as deep
-    as --draft-len); empty: chains."""
-    from muser.tree import shape_for_budget
+def local_tree(args: argparse.Namespace):
+    """The local lane's tree policy from --tree-nodes (`muser.tree_width`: trees as deep as
+    --draft-len, in the budget's shape, or learning among shapes with --width adaptive);
+    None: chains."""
+    from muser.tree_width import tree_policy
 
     if args.tree_nodes is None:
-        return []
+        return None
     if not 1 <= args.tree_nodes <= 64:
         raise RefusedError(f"--tree-nodes {args.tree_nodes} received; expected 1 to 64")
-    if args.width == "adaptive":
-        raise RefusedError("--tree-nodes drafts trees of one shape; it takes no --width adaptive")
+    if args.draft_range is not None:
+        raise RefusedError("--tree-nodes drafts --draft-len deep; it takes no --draft-range")
     depth = LOCAL_DRAFT_LEN if args.draft_len is None else args.draft_len
-    if depth < 1:
-        raise RefusedError(f"--tree-nodes needs --draft-len >= 1 (the tree's depth), got {depth}")
-    return shape_for_budget(args.tree_nodes, depth)
+    if not 1 <= depth <= args.tree_nodes:
+        raise RefusedError(
+            f"--tree-nodes {args.tree_nodes} needs --draft-len (the tree's depth) in 1 to "
+            f"{args.tree_nodes}, got {depth}"
+        )
+    return tree_policy(args.width or "fixed", args.tree_nodes, depth)
 
 
 def local_width(args: argparse.Namespace):

@@ -58,8 +58,9 @@ def register(sub, name: str, help_text: str) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also run the local tree lane (local-tree): trees of at most N nodes, --draft-len "
-        "deep (docs/trees.md); the cluster's tree lane is a variant, e.g. --cluster-variant "
+        help="also run the local tree lanes: trees of at most N nodes, --draft-len deep, in the "
+        "budget's shape (local-tree) and learning among shapes (local-tree-adaptive; "
+        "docs/trees.md); the cluster's tree lane is a variant, e.g. --cluster-variant "
         "'tree: lane.tree_nodes=N'",
     )
     p.add_argument(

@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_wire_ranges(args, params)
         return generate_cluster(args, params, text)
-    width = local_width(args) if args.lane == "local" else None  # refused before loading
-    tree = local_tree(args) if args.lane == "local" else []
+    tree = local_tree(args) if args.lane == "local" else None  # refused before loading
+    width = local_width(args) if args.lane == "local" and tree is None else None
     models = open_models(args, need_draft=args.lane == "local")
     prompt = encode_prompt(models.tokenizer, text)
     from muser.sampling import check_stop_tokens
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         from muser_app.lanes.plain import run_plain
 
         result = run_plain(models.target, prompt, params, on_tokens=streamer)
-    elif tree:
+    elif tree is not None:
         from muser_app.lanes.tree import run_local_tree
 
         result = run_local_tree(
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             models.draft,
             prompt,
             params,
-            branching=tree,
+            policy=tree,
             q_top_k=DEFAULT_Q_TOP_K if args.q_top_k is None else args.q_top_k,
             on_tokens=streamer,
         )

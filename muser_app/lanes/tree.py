@@ -25,7 +25,8 @@ from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K, clip_emission
 from muser.sampling import SamplingParams, draft_row, target_probs
 from muser.stats import LaneStats
-from muser.tree import Tree, draft_tree, judge_tree, shape_nodes, tree_depth
+from muser.tree import Tree, draft_tree, judge_tree, tree_depth
+from muser.tree_width import FixedTree, TreePolicy
 from muser.verify import judge_round
 from muser_app.lanes.result import GenerationResult
 
@@ -49,13 +50,16 @@ def run_local_tree(
     prompt: Sequence[int],
     params: SamplingParams,
     *,
-    branching: Sequence[int],
+    branching: Sequence[int] = (),
+    policy: TreePolicy | None = None,
     q_top_k: int = DEFAULT_Q_TOP_K,
     record_rows: bool = False,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
-    """`record_rows`: keep, for each emitted token, the target's row it was judged or
-    sampled from (float64 logits; what qualification compares with plain decode's)."""
+    """Trees of shape `branching` every round, or of the shape `policy` chooses each round
+    (`muser.tree_width`; told every round's outcome and seconds). `record_rows`: keep, for
+    each emitted token, the target's row it was judged or sampled from (float64 logits; what
+    qualification compares with plain decode's)."""
     for name, backend in (("target", target), ("draft", draft)):
         if not hasattr(backend, "evaluate_tree"):
             raise ValueError(
@@ -64,10 +68,12 @@ def run_local_tree(
             )
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    branching = list(branching)
-    budget = shape_nodes(branching)
+    if policy is None:
+        if not branching:
+            raise ValueError("the tree lane needs a shape (branching) or a tree policy")
+        policy = FixedTree(list(branching))
     row_params = dataclasses.replace(params, temperature=1.0) if params.greedy else params
-    stats = LaneStats(tree_shape=branching)
+    stats = LaneStats(tree_shape=policy.to_dict().get("shape"))
     rows: dict = {}
     t_seq, d_seq = target.sequence(), draft.sequence()
     if len(prompt) > 1:
@@ -85,9 +91,8 @@ def run_local_tree(
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
-        remaining = params.max_tokens - len(out)
-        depth = min(len(branching), remaining - 1)
-        tree = draft_tree(rng.copy(), branching[:depth], rows_at, params.greedy) if depth else None
+        shape = policy.choose(params.max_tokens - len(out))
+        tree = draft_tree(rng.copy(), shape, rows_at, params.greedy) if shape else None
         t1 = time.perf_counter()
         if tree is None or tree.size == 0:  # a plain step: the bonus from the frontier's row
             logits = t_seq.evaluate([frontier])
@@ -99,7 +104,7 @@ def run_local_tree(
             logits = target.evaluate_tree(t_seq, [frontier, *tree.tokens], tree.parents)
             witness = target_probs(logits, params)
             decision = judge_tree(
-                rng, frontier, tree, witness, greedy=params.greedy, max_nodes=budget
+                rng, frontier, tree, witness, greedy=params.greedy, max_nodes=tree.size
             )
             t_seq.keep_path(decision.path)
             _keep_draft(d_seq, tree, decision.path, block[0])
@@ -114,6 +119,10 @@ def run_local_tree(
             tree_depth(tree.parents) if nodes else 0, accepted, len(emission.tokens)
         )
         stats.tree_nodes += nodes
+        parents, path = (tree.parents, decision.path) if nodes else ((), ())
+        policy.observe(parents, path, round_s=t2 - t0)
+        stats.tree_policy = policy.to_dict()
+        stats.tree_shape = stats.tree_policy.get("shape")
         if record_rows:
             base = len(prompt) + len(out)
             rows.update({base + j: logits[judged_at[j]] for j in range(len(emission.tokens))})

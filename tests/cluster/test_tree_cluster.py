@@ -22,11 +22,18 @@ NODES = 16
 SHAPE = [4, 1, 1, 1]  # muser.tree.shape_for_budget(16, 4)
 
 
+def with_trees(width: str):
+    def edit(text: str) -> str:
+        text = text.replace("tree_nodes = 0", f"tree_nodes = {NODES}")
+        return text.replace('width = "adaptive"', f'width = "{width}"')
+
+    return edit
+
+
 @pytest.fixture
 def cluster(tmp_path, fixture_pair):
-    c = make_cluster(
-        tmp_path, fixture_pair, edit=lambda t: t.replace("tree_nodes = 0", f"tree_nodes = {NODES}")
-    )
+    """Trees of one shape (lane.width "fixed"): a seed then pins the sampled text."""
+    c = make_cluster(tmp_path, fixture_pair, edit=with_trees("fixed"))
     c.start()
     yield c
     c.stop()
@@ -90,3 +97,21 @@ def test_sigkill_mid_tree_generation_loses_no_token(cluster, victim) -> None:
     assert kills == 3
     assert client.result["tokens"] == want
     assert client.result["stats"]["tree"]["nodes"] > 0
+
+
+def test_an_adaptive_tree_lane_learns_shapes_and_stays_exact(tmp_path, fixture_pair) -> None:
+    """lane.width "adaptive" with lane.tree_nodes: each session learns among shapes from its
+    results and round times (muser.tree_width); greedy text is plain decode's whatever the
+    shapes."""
+    cluster = make_cluster(tmp_path, fixture_pair, edit=with_trees("adaptive"))
+    cluster.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=96)
+        prompt = prompt_of(cluster, 3)
+        got = stream_generate(cluster.address, prompt, params)
+        assert got["tokens"] == oracle(cluster, prompt, params)
+        policy = got["stats"]["tree"]["policy"]
+        assert policy["mode"] == "adaptive" and policy["budget"] == NODES
+        assert len(policy["round_ms"]) >= 3  # it tried the candidates: no draft, chain, trees
+    finally:
+        cluster.stop()

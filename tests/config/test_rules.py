@@ -348,7 +348,9 @@ def test_each_machine_needs_only_its_own_checkpoint(cluster_file, tiny_pair, unq
         ("lane.capture_layers", [0], "with lane.capture_layers [0]: capturing sessions send"),
     ],
 )
-def test_a_tree_lane_needs_torch_on_both_sides_and_no_capture(cluster_file, key, value, says, capsys):
+def test_a_tree_lane_needs_torch_on_both_sides_and_no_capture(
+    cluster_file, key, value, says, capsys
+):
     set_value(cluster_file, "lane.tree_nodes", 16)
     set_value(cluster_file, key, value)
     err = refused(cluster_file, capsys)

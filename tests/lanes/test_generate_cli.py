@@ -113,18 +113,22 @@ def test_q_top_k_takes_effect(capsys):
 
 def test_tree_nodes_takes_effect_and_is_refused_where_it_means_nothing(capsys):
     """--tree-nodes runs the local tree lane (greedy: plain decode's text) in the shape its
-    budget gives; it is refused with an adaptive width, on the plain and cluster lanes, and
-    out of range."""
+    budget gives, or learning among shapes with --width adaptive; it is refused with a draft
+    range, on the plain and cluster lanes, and out of range."""
     flags = ["--lane", "local", "--max-tokens", "48"]
     code, tree, _ = generate(capsys, *flags, "--tree-nodes", "16", prompt=None)
     assert code == 0 and tree["lane"] == "local-tree"
     assert tree["stats"]["tree"]["shape"] == [4, 1, 1, 1] and tree["stats"]["tree"]["nodes"] > 0
     _, plain, _ = generate(capsys, "--lane", "plain", "--max-tokens", "48", prompt=None)
     assert tree["tokens"] == plain["tokens"]
+    code, adaptive, _ = generate(capsys, *flags, "--tree-nodes", "16", "--width", "adaptive",
+                                 prompt=None)  # fmt: skip
+    assert code == 0 and adaptive["tokens"] == plain["tokens"]  # any shapes: greedy is exact
+    assert adaptive["stats"]["tree"]["policy"]["mode"] == "adaptive"
     for extra, says in [
-        (["--width", "adaptive"], "it takes no --width adaptive"),
+        (["--draft-range", "2:6"], "it takes no --draft-range"),
         (["--tree-nodes", "0"], "--tree-nodes 0 received; expected 1 to 64"),
-        (["--draft-len", "0"], "--tree-nodes needs --draft-len >= 1"),
+        (["--draft-len", "0"], "needs --draft-len (the tree's depth) in 1 to 16, got 0"),
     ]:
         code, _, err = generate(capsys, *flags, "--tree-nodes", "16", *extra, prompt=None)
         assert code == 2 and says in err, err
