@@ -30,10 +30,11 @@ def with_trees(width: str):
     return edit
 
 
-@pytest.fixture
-def cluster(tmp_path, fixture_pair):
-    """Trees of one shape (lane.width "fixed"): a seed then pins the sampled text."""
-    c = make_cluster(tmp_path, fixture_pair, edit=with_trees("fixed"))
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, fixture_pair):
+    """Trees of one shape (lane.width "fixed"): a seed then pins the sampled text. One
+    cluster for the module: the kill tests restart its daemons, as a crash would."""
+    c = make_cluster(tmp_path_factory.mktemp("trees"), fixture_pair, edit=with_trees("fixed"))
     c.start()
     yield c
     c.stop()
