@@ -255,6 +255,21 @@ def shape_nodes(branching: Sequence[int]) -> int:
     return total
 
 
+def full_parents(shape: Sequence[int]) -> tuple[int, ...]:
+    """The topology of the full tree of `shape` (children per position at each depth), laid
+    out breadth first as `draft_tree` lays out a tree whose rows have the support."""
+    parents: list[int] = []
+    level = [-1]
+    for k in shape:
+        deeper = []
+        for parent in level:
+            for _ in range(k):
+                parents.append(parent)
+                deeper.append(len(parents) - 1)
+        level = deeper
+    return tuple(parents)
+
+
 SHAPE_CAPS = (4, 3, 2)
 """How wide `shape_for_budget` lets each depth grow, root first (2 past the third): the
 screen (docs/trees.md) found a wider first level earns most, deeper ones little."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from muser.tree import shape_for_budget, shape_nodes
+from muser.tree import full_parents, shape_for_budget, shape_nodes
 from muser.width import COST_SMOOTHING, HYSTERESIS
 
 RANKS = 8
@@ -187,10 +187,7 @@ class AdaptiveTree(TreePolicy):
         """The candidate a round was drafted in (None: a shape cut short near the end)."""
         if not parents:
             return ()
-        for shape in self.shapes:
-            if shape and shape_nodes(shape) == len(parents) and _shape_matches(shape, parents):
-                return shape
-        return None
+        return next((s for s in self.shapes if s and full_parents(s) == tuple(parents)), None)
 
     def to_dict(self) -> dict:
         return {
@@ -203,19 +200,6 @@ class AdaptiveTree(TreePolicy):
                 ",".join(map(str, s)) or "decode": round(1e3 * c, 3) for s, c in self.cost_s.items()
             },
         }
-
-
-def _shape_matches(shape: Sequence[int], parents: Sequence[int]) -> bool:
-    """Whether a topology is the full tree of `shape` (children per position by depth)."""
-    depth = [0] * len(parents)
-    kids: dict[int, int] = {}
-    for i, p in enumerate(parents):
-        depth[i] = 1 + (depth[p] if p >= 0 else 0)
-        kids[p] = kids.get(p, 0) + 1
-    levels = [[-1]] + [
-        [i for i in range(len(parents)) if depth[i] == d + 1] for d in range(len(shape))
-    ]
-    return all(kids.get(p, 0) == k for d, k in enumerate(shape) for p in levels[d])
 
 
 def tree_policy(mode: str, budget: int, depth: int, decode_len: int = 1) -> TreePolicy:

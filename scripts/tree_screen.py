@@ -109,7 +109,7 @@ def forward_costs(target, prompt: list[int], shapes: list[list[int]], repeats: i
     median wall of a one-token decode there (the tree's tokens do not move its cost)."""
     import statistics
 
-    from muser.tree import shape_nodes
+    from muser.tree import full_parents, shape_nodes
 
     seq = target.sequence()
     seq.evaluate(prompt)
@@ -130,14 +130,7 @@ def forward_costs(target, prompt: list[int], shapes: list[list[int]], repeats: i
     out = {}
     for branching in shapes:
         n = shape_nodes(branching)
-        parents, level, nxt = [], [-1], []
-        for k in branching:
-            nxt = []
-            for parent in level:
-                for _ in range(k):
-                    parents.append(parent)
-                    nxt.append(len(parents) - 1)
-            level = nxt
+        parents = list(full_parents(branching))
         tokens = [prompt[i % len(prompt)] for i in range(n + 1)]
 
         def tree(parents=parents, tokens=tokens) -> None:

@@ -72,31 +72,15 @@ def test_sigkill_mid_generation_loses_no_token_and_the_rows_come_again(cluster, 
     """A restarted proposer's draft has lost every row; a restarted verifier's KV. Either
     way the next open starts the rows from position 0 again, the draft drafts on, and the
     greedy text is plain decode's, no token lost or repeated (the client checks offsets)."""
-    import random
-    import time
-
-    from tests.cluster.test_crash import Client
+    from tests.cluster.test_crash import crash_run
 
     tok = AutoTokenizer.from_pretrained(str(cluster.config.verifier.target))
     prompt = list(tok.encode(natural_prompts(3)[2], add_special_tokens=False))
     params = SamplingParams(temperature=0.0, max_tokens=128)
     target = load_target_backend("torch", cluster.config.verifier.target)
     oracle = run_plain(target, prompt, params).tokens
-    rng = random.Random(7)
-    client = Client(cluster.address, prompt, params, cluster.config.limits)
-    client.start()
-    kills = 0
-    for threshold in sorted(rng.sample(range(4, 110), 4)):
-        if not client.wait_for(threshold):
-            break
-        time.sleep(rng.uniform(0, 0.01))
-        daemon = getattr(cluster, victim)
-        daemon.kill()
-        daemon.start()
-        kills += 1
-    client.join(300)
-    assert client.error is None, f"{client.error}\n{cluster.proposer.log_tail()}"
+    result, kills = crash_run(cluster, prompt, victim, points=4, seed=7, params=params)
     assert kills == 4
-    assert client.result["tokens"] == oracle
-    drafted = client.result["stats"]["rounds_by_draft_len"]
+    assert result["tokens"] == oracle
+    drafted = result["stats"]["rounds_by_draft_len"]
     assert sum(n for d, n in drafted.items() if d != "0") > 10  # it drafted after the restarts

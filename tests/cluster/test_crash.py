@@ -79,14 +79,16 @@ class Client(threading.Thread):
 
 
 def crash_run(
-    cluster, prompt, victim: str, points: int, seed: int, proxy=None, address=None, at=None
-):
+    cluster, prompt, victim: str, points: int, seed: int, proxy=None, address=None, at=None,
+    params=PARAMS,
+):  # fmt: skip
     """`victim`: a daemon to SIGKILL and restart, or "link" / "silence" for what `proxy`
     does to its connections; the client connects to `address` (the proposer's if None).
-    `points` random token counts to strike at, or the counts `at`."""
+    `points` random token counts to strike at, or the counts `at`. Returns the client's
+    result and the strikes made."""
     rng = random.Random(seed)
-    thresholds = at or sorted(rng.sample(range(2, PARAMS.max_tokens - 8), points))
-    client = Client(address or cluster.address, prompt, PARAMS, cluster.config.limits)
+    thresholds = at or sorted(rng.sample(range(2, params.max_tokens - 8), points))
+    client = Client(address or cluster.address, prompt, params, cluster.config.limits)
     client.start()
     hits = 0
     for threshold in thresholds:

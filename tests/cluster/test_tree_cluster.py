@@ -5,9 +5,6 @@ the stats report the shape, and SIGKILL of either daemon loses and repeats no to
 
 from __future__ import annotations
 
-import random
-import time
-
 import pytest
 from transformers import AutoTokenizer
 
@@ -76,28 +73,14 @@ def test_sampled_tree_cluster_repeats_for_a_seed(cluster) -> None:
 
 @pytest.mark.parametrize("victim", ["proposer", "verifier"])
 def test_sigkill_mid_tree_generation_loses_no_token(cluster, victim) -> None:
-    from tests.cluster.test_crash import Client
+    from tests.cluster.test_crash import crash_run
 
     prompt = prompt_of(cluster, 2)
     params = SamplingParams(temperature=0.0, max_tokens=128)
-    want = oracle(cluster, prompt, params)
-    rng = random.Random(11)
-    client = Client(cluster.address, prompt, params, cluster.config.limits)
-    client.start()
-    kills = 0
-    for threshold in sorted(rng.sample(range(4, 110), 3)):
-        if not client.wait_for(threshold):
-            break
-        time.sleep(rng.uniform(0, 0.01))
-        daemon = getattr(cluster, victim)
-        daemon.kill()
-        daemon.start()
-        kills += 1
-    client.join(300)
-    assert client.error is None, f"{client.error}\n{cluster.proposer.log_tail()}"
+    result, kills = crash_run(cluster, prompt, victim, points=3, seed=11, params=params)
     assert kills == 3
-    assert client.result["tokens"] == want
-    assert client.result["stats"]["tree"]["nodes"] > 0
+    assert result["tokens"] == oracle(cluster, prompt, params)
+    assert result["stats"]["tree"]["nodes"] > 0
 
 
 def test_an_adaptive_tree_lane_learns_shapes_and_stays_exact(tmp_path, fixture_pair) -> None:

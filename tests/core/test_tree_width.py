@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from muser.tree import shape_nodes
+from muser.tree import full_parents, shape_nodes
 from muser.tree_width import (
     AdaptiveTree,
     FixedTree,
@@ -59,22 +59,9 @@ def test_candidates_and_the_fixed_shape():
         AdaptiveTree(budget=2, depth=4)
 
 
-def full_tree(shape):
-    """Parents of the full tree of `shape`, breadth first (as `draft_tree` lays one out)."""
-    parents, level = [], [-1]
-    for k in shape:
-        deeper = []
-        for p in level:
-            for _ in range(k):
-                parents.append(p)
-                deeper.append(len(parents) - 1)
-        level = deeper
-    return tuple(parents)
-
-
 def judged(shape, betas, rng):
     """A round of `shape` judged in a world where rank r accepts with betas[r]."""
-    parents, path, position = full_tree(shape), [], -1
+    parents, path, position = full_parents(shape), [], -1
     while True:
         kids = [i for i, p in enumerate(parents) if p == position]
         taken = next((i for r, i in enumerate(kids) if rng.random() < betas[r]), None)
