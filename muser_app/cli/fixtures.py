@@ -37,7 +37,7 @@ def register(subparsers: Any, name: str, help_text: str) -> None:
     build.add_argument(
         "--conditioned",
         action="store_true",
-        help="also train the real pair's feature-conditioned draft (~6 min on 2 cores; the toy "
+        help="also train the real pair's feature-conditioned draft (~7 min on 2 cores; the toy "
         "pair's, ~40 s, is always built; docs/conditioned.md)",
     )
     build.set_defaults(func=run_build)
@@ -89,14 +89,15 @@ def _paths(fx: Any) -> dict[str, str]:
 def run_build(args: argparse.Namespace) -> int:
     """Build or find the fixtures; print where they are."""
     from muser_app.fixtures import build_fixtures
-    from muser_app.fixtures.conditioned import SMOLLM2_RECIPE, TOY_RECIPE, build_conditioned
+    from muser_app.fixtures.conditioned import build_conditioned
+    from muser_app.pairs import conditioned_recipe
 
     paths: dict[str, str] = {}
     if args.pair in ("all", "toy"):
         fx = build_fixtures(args.out, progress=True, force=args.force)
         paths |= {**_paths(fx), "key": fx.manifest()["key"]}
         paths["natural_conditioned"] = str(
-            build_conditioned(fx.natural.target, TOY_RECIPE, force=args.force)
+            build_conditioned(fx.natural.target, conditioned_recipe("toy"), force=args.force)
         )
     if args.pair in ("all", "smollm2"):
         from muser_app.fixtures.build import cache_dir
@@ -108,7 +109,7 @@ def run_build(args: argparse.Namespace) -> int:
         paths["smollm2_draft"] = str(build_smol_draft(target, progress=True, force=args.force))
         if args.conditioned:
             paths["smollm2_conditioned"] = str(
-                build_conditioned(target, SMOLLM2_RECIPE, force=args.force)
+                build_conditioned(target, conditioned_recipe("smollm2"), force=args.force)
             )
     if args.json:
         print(json.dumps(paths, sort_keys=True))
