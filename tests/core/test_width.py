@@ -15,7 +15,7 @@ from muser.width import (
     expected_tokens,
     width_policy,
 )
-from proposer_mac.core import session_width
+from proposer_mac.lane_setup import session_width
 from tests.core.fake_backend import FakeBackend
 
 

@@ -333,7 +333,7 @@ async def test_lane_lookahead_names_rounds_ahead_and_never_changes_the_tokens(ke
     ],
 )
 def test_lookahead_auto_is_off_for_a_verifier_on_this_machine(setting, address, on):
-    from proposer_mac.core import lookahead_on
+    from proposer_mac.lane_setup import lookahead_on
 
     assert lookahead_on(setting, address) is on
 

@@ -1,0 +1,101 @@
+"""What the proposer takes from the cluster file for its sessions and its draft: each
+session's draft width, tree policy and capture layers from the lane, the draft's KV per
+session, whether lookahead hints go out, and the target's identity and context window from
+its files when they are on this machine."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from cluster_config import ClusterConfig
+from cluster_config.schema import Lane
+from muser.errors import RefusedError
+from muser.records import Identity
+from muser.tree_width import TreePolicy, tree_policy
+from muser.width import FixedWidth, WidthPolicy, width_policy
+
+
+def lookahead_on(setting: str, verifier_address: str) -> bool:
+    """lane.lookahead: "on", "off", or "auto", which is on unless the verifier's address is
+    a loopback one (a verifier on this machine: its early forward would compete with the
+    draft for the same cores)."""
+    if setting != "auto":
+        return setting == "on"
+    host = verifier_address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not this machine's loopback
+        return True
+
+
+def draft_kv(draft, batch: bool):
+    """The backend one session drafts on: a sequence of `draft` when sessions draft together
+    (`batch`), else a fork when `draft` has one, else `draft` itself (a shared KV)."""
+    if batch:
+        return draft.sequence()
+    return draft.fork() if hasattr(draft, "fork") else draft
+
+
+def session_capture_layers(lane: Lane, draft) -> tuple[int, ...]:
+    """The layers a session captures: a conditioned draft reads the ones its checkpoint
+    declares (lane.capture_layers, when set, must name the same)."""
+    own = tuple(getattr(draft, "capture_layers", ()))
+    if own and lane.capture_layers and tuple(lane.capture_layers) != own:
+        raise RefusedError(
+            f"lane.capture_layers {list(lane.capture_layers)} received; the conditioned draft "
+            f"reads layers {list(own)}: drop lane.capture_layers or set it to those"
+        )
+    return own or tuple(lane.capture_layers)
+
+
+def session_tree(lane: Lane, draft_len: int, capture_layers=()) -> TreePolicy | None:
+    """A session's tree policy (`muser.tree_width`): trees of lane.tree_nodes nodes, as deep
+    as the D it asked for (or lane.draft_len), in the budget's shape (lane.width "fixed") or
+    learning among shapes (lane.width "adaptive"); None (chains) without a budget, without a
+    depth, or when the session captures hidden rows (its rounds' rows are those of one
+    committed path)."""
+    depth = draft_len or lane.draft_len
+    if not lane.tree_nodes or capture_layers or depth < 1:
+        return None
+    return tree_policy(lane.width, lane.tree_nodes, min(depth, lane.tree_nodes), lane.decode_len)
+
+
+def session_width(lane: Lane, draft_len: int, capture_layers=()) -> WidthPolicy:
+    """A session's width policy: fixed at the D it asked for, or (0: it asked for none) the
+    lane's — `lane.width` within [draft_len_min, draft_len_max], starting at draft_len.
+    Draftless rounds decode `lane.decode_len` tokens, one when the session captures hidden
+    rows (a round's rows are those of what it commits, one forward)."""
+    decode_len = 1 if capture_layers or lane.capture_layers else lane.decode_len
+    if draft_len:
+        return FixedWidth(draft_len, decode_len)
+    return width_policy(
+        lane.width, lane.draft_len, lane.draft_len_min, lane.draft_len_max, decode_len
+    )
+
+
+def identity_of(i) -> Identity:
+    """A backend's model identity as the records carry it."""
+    return Identity(i.model_digest, i.tokenizer_digest, i.vocab_size)
+
+
+def context_length_from_files(config: ClusterConfig) -> int | None:
+    """The target's context window from its files, when they are on this machine."""
+    from muser.errors import MuserError
+    from muser.geometry import read_geometry
+
+    try:
+        return read_geometry(config.verifier.target).context_length
+    except (MuserError, OSError, ValueError):
+        return None
+
+
+def target_identity_from_files(config: ClusterConfig) -> Identity | None:
+    """The target's identity from its files, when they are on this machine (else None)."""
+    from muser.identity import model_identity
+
+    if not (Path(config.verifier.target) / "config.json").is_file():
+        return None
+    return identity_of(model_identity(config.verifier.target))
