@@ -24,7 +24,7 @@ from muser.stats import LaneStats
 from muser.tasks import in_background
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac.context import DriverContext
-from proposer_mac.drafting import Branch, Draft, Drafter
+from proposer_mac.drafting import Branch, Draft, Drafter, first_branch
 from proposer_mac.session import ProposerSession
 from proposer_mac.speculating import Speculating, drop_clones, held_guess
 
@@ -38,6 +38,8 @@ def look_ahead(stream, spec: Speculating, round_: int) -> None:
     def send(future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:
             for guess in spec.to_name(future.result()[0]):
+                if guess.proposal.parents:  # a tree's rows are no chain's: nothing to name
+                    continue
                 drafts = list(guess.proposal.drafts)
                 in_background(
                     stream.look_ahead(round_, list(guess.emitted), drafts), "a lookahead", log
@@ -83,8 +85,10 @@ class DraftingAhead:
         s = self.session
         transcript, produced, state = after or (s.transcript, len(s.emitted), s.state)
         remaining = s.params.max_tokens - produced - len(proposal.drafts) - 1
-        if not self.core.speculate or not proposal.drafts or proposal.parents:
-            return None  # (a tree is never drafted ahead: drafting.py's module note)
+        if not self.core.speculate or not proposal.drafts:
+            return None
+        if proposal.parents:
+            return self._tree(proposal, transcript, produced, state)
         if self.core.branches > 0 and self.drafter.can_branch and self.core.drafts.pending == 0:
             # branches cost the draft thread ~1.7x a guess: only when nothing else waits
             # for it (many sessions keep it busy; there a branch job delays their drafts)
@@ -98,6 +102,24 @@ class DraftingAhead:
         )
         future = self.core.drafts.draft(self.drafter, steps)
         return Speculating(future, stop, proposal.drafts, guess)
+
+    def _tree(
+        self, proposal: Draft, transcript: list[int], produced: int, state: Mt19937
+    ) -> Speculating | None:
+        """The next tree, on the guess that this one's first branch is accepted
+        (`Drafter.speculate_tree_steps`), in the shape the session's tree policy picks now."""
+        s = self.session
+        path = [proposal.drafts[i] for i in first_branch(proposal.parents)]
+        remaining = s.params.max_tokens - produced - len(path) - 1
+        if s.tree is None or remaining < 1:
+            return None
+        stop, guess = threading.Event(), []
+        steps = self.drafter.speculate_tree_steps(
+            list(transcript), state, proposal, s.tree.choose(remaining), s.params.stop_tokens,
+            stop, guess,
+        )  # fmt: skip
+        future = self.core.drafts.draft(self.drafter, steps)
+        return Speculating(future, stop, path, guess)
 
     def _branches(
         self, proposal: Draft, transcript: list[int], produced: int
@@ -163,8 +185,8 @@ class DraftingAhead:
                 speculation.stop.set()  # not what it drafted on: stop between two forwards
             elif speculation.drafts_on(tokens):
                 speculation.choose(tokens)
-            s = self.session
-            depth = s.width.choose(s.params.max_tokens - len(s.emitted))
+            s = self.session  # (a tree's: any shape, its policy's when it was drafted)
+            depth = None if s.tree else s.width.choose(s.params.max_tokens - len(s.emitted))
             taken = await self.take(speculation, tokens, depth)
             if taken is not None:
                 self.hit(taken)

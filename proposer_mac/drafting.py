@@ -42,8 +42,10 @@ Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree of a 
 (`muser.tree.draft_tree`: breadth first, one tree forward a depth on the session's own
 sequence of a torch draft, children drawn without replacement). Its forwards run inside the
 job, never as steps (a tree block has a mask of its own, so it does not batch with other
-sessions' steps), and a tree round is never drafted ahead: the next tree waits for the
-result, and the verifier tells no early decision of a tree.
+sessions' steps). While a tree is at the verifier, `speculate_tree_steps` drafts the next
+one on the guess that its first branch is accepted down to a leaf (the chain's guess, along
+that branch); the verifier tells no early decision of a tree, so a wrong guess waits for the
+result.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, sample_ordered
-from muser.tree import draft_tree
+from muser.tree import draft_tree, tree_draws
 from proposer_mac.backends.ngram import no_proposal
 
 
@@ -86,7 +88,8 @@ class Speculation:
 
     emitted: list[int]
     """What round r is guessed to emit: its drafts, all accepted, then the bonus guess."""
-    depth: int
+    depth: int | None
+    """The D it drafted (None: a tree, in whatever shape its policy chose)."""
     proposal: Draft | None
     """None when the speculation was stopped or the guess ends the session."""
 
@@ -223,7 +226,55 @@ class Drafter:
         return self._tree(transcript, state, branching)
         yield  # (a generator: the draft thread drives it like any draft)
 
-    def _tree(self, transcript: Sequence[int], state: Mt19937, branching: Sequence[int]):
+    def speculate_tree_steps(
+        self,
+        transcript: Sequence[int],
+        state: Mt19937,
+        current: Draft,
+        shape: Sequence[int],
+        stop_tokens: Sequence[int],
+        stop: threading.Event | None = None,
+        guess: list[int] | None = None,
+    ) -> Steps[Speculation | None]:
+        """The tree after the tree `current` (just drafted from `transcript`, `state`), on the
+        guess that the judge takes the first child at every depth, down to a leaf, and that
+        the next frontier is the draft's own pick there with the verifier's draw for it (the
+        chain's guess, `speculate_steps`, along the tree's first branch); drafted in `shape`.
+        `guess` is given the guessed emission once known. None when the cursor no longer
+        stands where `current` left it or the draft makes no guess."""
+        parents = list(current.parents)
+        held = list(transcript)
+        if not parents or not self.cursor.holds(held) or self.cursor.last_row is None:
+            return None
+        path = first_branch(parents)
+        self._checkpoint = _Checkpoint(held, self.cursor.last_row)
+        row = (yield [current.drafts[i] for i in path])[-1]  # the leaf's row
+        if no_proposal(row):
+            return None
+        q = draft_row(row, self.params, self.q_top_k)
+        draws = tree_draws(parents, path, self.params.greedy)
+        if self.params.greedy:
+            bonus = int(q.ids[argmax_lowest(q.weights)])
+        else:  # the round's last draw samples its next frontier
+            bonus = int(q.ids[sample_ordered(q.weights, advance(state, draws - 1).uniform_f64())])
+        emitted = [*(current.drafts[i] for i in path), bonus]
+        if guess is not None:
+            guess[:] = emitted  # read by the event loop's thread: one slice store
+        if any(t in stop_tokens for t in emitted) or not shape:
+            return Speculation(emitted, None, None)
+        try:
+            proposal = self._tree([*transcript, *emitted], advance(state, draws), shape, stop)
+        except Stopped:
+            return Speculation(emitted, None, None)
+        return Speculation(emitted, None, proposal)
+
+    def _tree(
+        self,
+        transcript: Sequence[int],
+        state: Mt19937,
+        branching: Sequence[int],
+        stop: threading.Event | None = None,
+    ):
         cursor = self.cursor
         seq = cursor.backend
         owner = getattr(seq, "owner", None)
@@ -243,6 +294,8 @@ class Drafter:
         root: list[np.ndarray] = []
 
         def rows_at(parents: list[int], tokens: list[int], positions: list[int]):
+            if stop is not None and stop.is_set():  # a speculation stopped between forwards
+                raise Stopped
             logits = owner.evaluate_tree(seq, [frontier, *tokens], parents)
             root[:] = [logits[0]]
             return [draft_row(logits[v], params, width) for v in positions]
@@ -537,6 +590,16 @@ class _Unchosen:
 
     def is_set(self) -> bool:
         return self.stop.is_set() or (bool(self.chosen) and self.chosen[0] != self.emitted)
+
+
+def first_branch(parents: Sequence[int]) -> list[int]:
+    """The nodes of a tree's first branch: the root's first child, its first child, and so
+    on down to a leaf (what a tree speculation guesses the judge accepts)."""
+    path, above = [], -1
+    while (child := next((i for i, p in enumerate(parents) if p == above), None)) is not None:
+        path.append(child)
+        above = child
+    return path
 
 
 @functools.cache

@@ -51,7 +51,7 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
     assert cluster.config.lane.tree_nodes == NODES
     assert '"tree_nodes": 16' in cluster.config.lane.receipt.read_text()  # qualified as trees
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    rounds = emitted = 0
+    rounds = emitted = hits = 0
     for i in range(4):
         prompt = prompt_of(cluster, i)
         got = stream_generate(cluster.address, prompt, params)
@@ -60,7 +60,9 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
         assert stats["tree"]["shape"] == SHAPE
         assert stats["tree"]["nodes"] > stats["drafted"]  # wider than the chain of its depth
         rounds, emitted = rounds + stats["rounds"], emitted + len(got["tokens"])
+        hits += stats["speculation"]["hits"]
     assert emitted / rounds > 1.5  # the toy pair's trees emit ~3 a round (docs/trees.md)
+    assert hits > 0  # trees drafted ahead on their first branch were used
 
 
 def test_sampled_tree_cluster_repeats_for_a_seed(cluster) -> None:

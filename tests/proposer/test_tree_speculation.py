@@ -1,0 +1,104 @@
+"""Drafting the next tree ahead (`Drafter.speculate_tree_steps`): on the guess that the
+tree in flight is accepted along its first branch, the next tree is drafted while it is at
+the verifier; when the guess holds, that tree is bit for bit the one drafted after the
+result, and a missed guess leaves no trace on later trees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from muser.mt19937 import Mt19937
+from muser.round import clip_emission
+from muser.sampling import SamplingParams, target_probs
+from muser.tree import Tree, judge_tree
+from muser.tree_width import FixedTree
+from muser.verify import judge_round
+from muser_app.fixtures import build_fixtures, natural_prompts
+from proposer_mac.backends import load_draft_backend
+from proposer_mac.drafting import Drafter, first_branch
+from verifier_gx.backends import load_target_backend
+
+TOKENS = 80
+SHAPE = FixedTree([3, 1, 1, 1])
+
+
+@pytest.fixture(scope="module")
+def models():
+    pair = build_fixtures(progress=False).natural
+    tok = AutoTokenizer.from_pretrained(str(pair.target))
+    prompts = [list(tok.encode(t, add_special_tokens=False)) for t in natural_prompts(2)]
+    target = load_target_backend("torch", pair.target)
+    return prompts, target, lambda: load_draft_backend("torch", pair.draft).sequence()
+
+
+def run(target, drafter: Drafter, prompt, params, *, speculate: bool):
+    """Tree rounds of the local lane; with `speculate`, the next tree comes from the
+    speculation whenever its guess held. Returns the proposals, the tokens and the hits."""
+    t_seq = target.sequence()
+    t_seq.evaluate(prompt[:-1])
+    rng, transcript, out = Mt19937.from_seed(params.seed), list(prompt), []
+    proposals, spec, emitted, hits = [], None, None, 0
+    while len(out) < TOKENS:
+        remaining = TOKENS - len(out)
+        if spec is not None and spec.proposal is not None and spec.emitted == emitted:
+            drafter.adopt()
+            proposal, hits = spec.proposal, hits + 1
+        else:
+            proposal = drafter.run(drafter.tree_steps(transcript, rng, SHAPE.choose(remaining)))
+        proposals.append(proposal)
+        spec = None
+        if speculate and proposal.parents:
+            left = remaining - len(first_branch(proposal.parents)) - 1
+            if left >= 1:
+                steps = drafter.speculate_tree_steps(
+                    transcript, rng, proposal, SHAPE.choose(left), params.stop_tokens
+                )
+                spec = drafter.run(steps)
+        frontier = transcript[-1]
+        if proposal.parents:
+            tree = Tree.from_wire(proposal.parents, proposal.drafts, proposal.q_rows)
+            logits = target.evaluate_tree(t_seq, [frontier, *tree.tokens], tree.parents)
+            decision = judge_tree(rng, frontier, tree, target_probs(logits, params),
+                                  greedy=params.greedy, max_nodes=64)  # fmt: skip
+            t_seq.keep_path(decision.path)
+            emitted = decision.emitted(tree)
+        else:
+            witness = target_probs(t_seq.evaluate([frontier]), params)
+            decision = judge_round(rng, frontier, [], [], witness, greedy=params.greedy)
+            emitted = [decision.next_frontier]
+        rng = decision.post_state
+        transcript += emitted
+        out += clip_emission(emitted, len(out), TOKENS, params.stop_tokens).tokens
+    return proposals, out, hits
+
+
+def same(a, b) -> bool:
+    return (
+        a.drafts == b.drafts
+        and a.parents == b.parents
+        and len(a.q_rows) == len(b.q_rows)
+        and all(
+            np.array_equal(x.ids, y.ids) and np.array_equal(x.weights, y.weights)
+            for x, y in zip(a.q_rows, b.q_rows, strict=True)
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=TOKENS),
+     SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=4)],
+    ids=["greedy", "sampled"],
+)  # fmt: skip
+def test_a_tree_drafted_ahead_is_the_tree_drafted_after_the_result(models, params):
+    prompts, target, draft = models
+    hits = 0
+    for prompt in prompts:
+        ahead, text, hit = run(target, Drafter(draft(), params), prompt, params, speculate=True)
+        after, plain, _ = run(target, Drafter(draft(), params), prompt, params, speculate=False)
+        assert text == plain
+        assert len(ahead) == len(after) and all(map(same, ahead, after))
+        hits += hit
+    assert hits > 0  # the first branch was taken whole, and its tree used
