@@ -227,7 +227,7 @@ class Lane(_Strict):
         le=64,
         description="Token trees (DESIGN.md §4.1): each round drafts a tree of at most this "
         "many nodes, draft_len deep, and the verifier judges every branch in one target "
-        "call. With width = \"fixed\" every tree has the budget's shape; with \"adaptive\" "
+        'call. With width = "fixed" every tree has the budget\'s shape; with "adaptive" '
         "each session learns among a few shapes (no draft, the chain, wider trees) from its "
         "results and round times (docs/trees.md). 0: chains. Both daemons read it: the "
         "verifier judges trees of at most this many nodes, and only on a torch target; the "

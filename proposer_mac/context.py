@@ -113,9 +113,9 @@ class DriverContext:
                 "tree_rounds_unsupported",
                 f"the verifier at {member.address} judges chains only (features "
                 f"{list(reply.features)}; an older verifier, or one whose lane.tree_nodes is 0 "
-                f"or whose target is not torch); this proposer drafts trees of shape "
-                f"{s.tree.to_dict()} (lane.tree_nodes): use the same cluster file on both daemons, "
-                "or set lane.tree_nodes = 0",
+                f"or whose target is not torch); this proposer drafts trees (lane.tree_nodes; "
+                f"its tree policy: {s.tree.to_dict()}): use the same cluster file on both "
+                "daemons, or set lane.tree_nodes = 0",
             )
         s.signer = reply.verifier_key_id
         if reply.resumed:

@@ -502,9 +502,10 @@ class SessionRunner:
         self.stats.wal_s += raw.wal_s + (time.perf_counter() - t2)
         self.stats.sign_s += raw.sign_s
         self.stats.transport_s += max(0.0, (t1 - t0) - remote)
+        tree = self.session.tree  # (None for a tree round recovered after lane.tree_nodes = 0)
         if result.is_tree:  # its depth is what it could accept (LaneStats.tree_nodes)
             self.stats.tree_nodes += len(result.drafts)
-            self.stats.tree_shape = self.session.tree.to_dict().get("shape")
+            self.stats.tree_shape = tree.to_dict().get("shape") if tree is not None else None
         drafted = tree_depth(result.parents) if result.is_tree else len(result.drafts)
         self.stats.observe_round(drafted, result.accepted, checked.emitted)
         self.stats.wall_s = time.perf_counter() - start

@@ -34,6 +34,7 @@ def cluster_lanes(
     target_device: str = "cpu",
     pin: bool = True,
     settings: dict[str, str] | None = None,
+    tolerance: float | None = None,
 ):
     """Yield {lane name: LaneFn} for the cluster at each injected RTT (ms). With
     `draft_range` the lane may move D in it: `cluster@Xms` sessions still ask for draft_len
@@ -42,7 +43,8 @@ def cluster_lanes(
     `pin`: keep `config init`'s CPUs for each daemon (and run each run's client on the
     proposer's); False lets the OS place both daemons and the client. `settings`: a variant's
     `{"SECTION.KEY": TOML value}` written into the cluster file (`with_settings`); its
-    `code` (a checkout, `parse_variant`) is what both daemons run, on their PYTHONPATH."""
+    `code` (a checkout, `parse_variant`) is what both daemons run, on their PYTHONPATH.
+    `tolerance`: the qualification's row tolerance (`muser qualify --tolerance`)."""
     from cluster_config import load_config
     from muser_app.cli.cluster_client import stream_generate
     from muser_app.cli.config import free_port, init_cluster
@@ -78,7 +80,8 @@ def cluster_lanes(
             base.write_text(with_settings(base.read_text(), settings))
         config = load_config(base)
         cpus = {"proposer": config.proposer.cpus, "verifier": config.verifier.cpus}
-        qualify(config, progress=sys.stderr.isatty())  # once per run: every lane shares it
+        # once per run: every lane shares it (`tolerance`: qualify's, default its own)
+        qualify(config, tolerance=tolerance, progress=sys.stderr.isatty())
         verifier = Daemon("verifier", base, Path(tmp), env)
         verifier.start()
         stack.callback(verifier.stop)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -122,6 +123,14 @@ def register(sub, name: str, help_text: str) -> None:
         "(an A/B of two trees' code, e.g. 'old: code=../muser-old'); repeatable",
     )
     p.add_argument(
+        "--qualify-tolerance",
+        type=float,
+        default=None,
+        metavar="X",
+        help="the row tolerance each cluster's qualification allows (as `muser qualify "
+        "--tolerance`; default its own, 1e-4)",
+    )
+    p.add_argument(
         "--variants-only",
         action="store_true",
         help="run the cluster lanes of the --cluster-variant clusters only, not the base "
@@ -181,6 +190,9 @@ def _check_counts(args: argparse.Namespace) -> None:
     least = {"--max-tokens": (args.max_tokens, 1), "--repeats": (args.repeats, 1)}
     least |= {"--draft-len": (args.draft_len, 0), "--q-top-k": (args.q_top_k, 1)}
     least |= {"--tree-nodes": (args.tree_nodes, 0)}
+    tolerance = getattr(args, "qualify_tolerance", None)
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
+        raise RefusedError(f"--qualify-tolerance must be a finite number >= 0, got {tolerance}")
     if args.tree_nodes > 64:
         raise RefusedError(f"--tree-nodes must be <= 64 (lane.tree_nodes), got {args.tree_nodes}")
     least |= {"--widen-target": (args.widen_target, 1), "--widen-draft": (args.widen_draft, 1)}
@@ -316,6 +328,7 @@ def _run_lanes(args: argparse.Namespace) -> int:
                     target_device=args.target_device,
                     pin=not args.no_pin,
                     settings=settings,
+                    tolerance=args.qualify_tolerance,
                 )
             )
             lanes |= {(f"{k}[{variant}]" if variant else k): fn for k, fn in got.items()}
@@ -489,6 +502,7 @@ def _run_sessions(args: argparse.Namespace) -> int:
                     target_device=args.target_device,
                     pin=not args.no_pin,
                     settings=settings,
+                    tolerance=args.qualify_tolerance,
                 )
             )[lane]
             for name, settings in {"": None, **variants}.items()

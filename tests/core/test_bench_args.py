@@ -34,6 +34,8 @@ from muser_app.cli.main import main
         (["--tree-nodes", "-1"], "--tree-nodes must be >= 0, got -1"),
         (["--tree-nodes", "65"], "--tree-nodes must be <= 64 (lane.tree_nodes), got 65"),
         (["--variants-only"], "--variants-only runs the --cluster-variant clusters: give one"),
+        (["--qualify-tolerance", "-1"], "--qualify-tolerance must be a finite number >= 0"),
+        (["--qualify-tolerance", "nan"], "--qualify-tolerance must be a finite number >= 0"),
     ],
 )
 def test_bad_counts_are_refused_before_any_work(args, says, tmp_path, capsys, monkeypatch):

@@ -97,15 +97,20 @@ def test_a_code_variants_daemons_run_that_checkout(cluster_file, tmp_path, monke
             pass
 
     monkeypatch.setattr(muser_app.procs, "Daemon", Recorded)
-    monkeypatch.setattr(muser_app.cli.qualify, "qualify", lambda config, progress: None)
+    tolerances = []
+    monkeypatch.setattr(
+        muser_app.cli.qualify, "qualify",
+        lambda config, progress, tolerance=None: tolerances.append(tolerance),
+    )  # fmt: skip
     config = load_config(cluster_file)
     tree = str(_checkout(tmp_path / "old"))
     settings = {"lane.speculate_branches": "1", "code": tree}
     with cluster_lanes(
         config.verifier.target, config.proposer.draft, SamplingParams(), draft_len=4,
-        delays_ms=[0], settings=settings,
+        delays_ms=[0], settings=settings, tolerance=3e-4,
     ) as lanes:  # fmt: skip
         assert list(lanes) == ["cluster@0ms"]
+    assert tolerances == [3e-4]  # bench --qualify-tolerance reaches the qualification
     assert [(role, env) for role, env, _ in started] == [
         ("verifier", {"PYTHONPATH": tree}),
         ("proposer", {"PYTHONPATH": tree}),
