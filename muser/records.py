@@ -13,6 +13,7 @@ its canonical bytes, and the result binds it, so a result answers exactly one re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -182,8 +183,10 @@ class RoundRequest:
     def is_tree(self) -> bool:
         return bool(self.parents)
 
+    @functools.cached_property
     def tree(self) -> Tree:
-        """The tree a tree round carries (RowCountError when its rows do not fit)."""
+        """The tree a tree round carries (RowCountError when its rows do not fit), built once
+        per request: admission, the forward, the judge and the result all read it."""
         return Tree.from_wire(self.parents, self.drafts, self.q_rows)
 
     def encode(self) -> bytes:

@@ -256,7 +256,7 @@ def check_tree(
         raise DecodeLengthError(f"a tree round decodes nothing more: decode_len must be 1, got "
                                 f"{request.decode_len}")  # fmt: skip
     check_topology(request.parents, len(request.drafts), max_nodes)  # before rows are placed
-    tree = request.tree()
+    tree = request.tree
     validate_request(request.frontier, tree, vocab, max_nodes)
     depth, room = max(len(tree.path(i)) for i in range(tree.size)), max(0, state.remaining - 1)
     if depth > room:

@@ -99,7 +99,7 @@ class RoundComputer:
     def _sign(self, job: RoundJob, decision: RoundDecision, captured, *, verify_s: float):
         """Build the RoundResult, check it against the state and sign it."""
         state, request, digest = job.state, job.request, job.digest
-        tree = request.tree() if request.is_tree else None
+        tree = request.tree if request.is_tree else None
         emitted = decision.emitted(tree) if tree else decision.emitted(request.drafts)
         first, rows_by_layer = captured
         captures = [
@@ -229,7 +229,7 @@ class RoundComputer:
         state, request = job.state, job.request
         witness = target_probs(logits, state.params)
         if request.is_tree:  # (admission replayed its drafting draws; this replays them again)
-            tree = request.tree()
+            tree = request.tree
             decision = judge_tree(state.mt, request.frontier, tree, witness,
                                   greedy=state.params.greedy, max_nodes=tree.size)  # fmt: skip
             ex.keep_tree_path(request.frontier, tree, decision.path, logits)
@@ -254,7 +254,7 @@ class RoundComputer:
 
 def _tree(job: RoundJob) -> tuple:
     """A tree round's tree, as the 4th item of its `witness_batch` round; nothing for a chain."""
-    return (job.request.tree(),) if job.request.is_tree else ()
+    return (job.request.tree,) if job.request.is_tree else ()
 
 
 def capture_round(job: RoundJob, ex, layers: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:

@@ -15,7 +15,6 @@ import pytest_asyncio
 
 from muser.records import RoundRequest, RoundResult
 from muser.sampling import SamplingParams, SparseRow
-from muser.tree import Tree
 from muser.wire import convert
 from muser_app.lanes.plain import run_plain
 from tests.verifier.conftest import PROMPT, Verifier, make_config
@@ -125,10 +124,6 @@ async def test_a_tree_retry_is_the_stored_bytes_and_another_tree_is_equivocation
     await expect_refused(
         tree_verifier, client, stream, client.sign(pruned), C.ALREADY_EXISTS, "equivocation"
     )
-
-
-def tree_of(request: RoundRequest) -> Tree:
-    return request.tree()
 
 
 def rebuilt(request: RoundRequest, parents, tokens, rows) -> RoundRequest:
