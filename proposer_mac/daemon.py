@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from cluster_config import ClusterConfig
-from muser import heap, tls
+from muser import heap, threads, tls
 from muser.affinity import serving
 from muser.channels import refuse_malformed, server_options
 from muser.errors import RefusedError
@@ -118,6 +118,7 @@ async def _start_http(core: ProposerCore, config: ClusterConfig, routes):
 
 
 async def _serve(config: ClusterConfig) -> None:
+    threads.start_default_executor()  # the thread count is level from here (muser.threads)
     server, port = await create_server(config)
     heap.serving_heap()  # the draft and the resumed sessions live as long as the process
     host = config.proposer.bind_address.rpartition(":")[0]

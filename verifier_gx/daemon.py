@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from cluster_config import qualification
 from cluster_config.schema import ClusterConfig, ConfigError
-from muser import heap, keys, tls
+from muser import heap, keys, threads, tls
 from muser.affinity import serving
 from muser.backend import ModelBackend
 from muser.channels import refuse_malformed, server_options
@@ -225,6 +225,7 @@ def _qualified_draft(config: ClusterConfig) -> tuple[str, str] | None:
 
 
 async def _serve(config: ClusterConfig) -> None:
+    threads.start_default_executor()  # the thread count is level from here (muser.threads)
     server, port = create_server(config)
     heap.serving_heap()  # the target and the recovered sessions live as long as the process
     await server.start()

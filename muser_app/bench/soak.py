@@ -109,6 +109,9 @@ class Bounds:
     proposer) does not."""
     fd_growth: int = 4
     thread_growth: int = 2
+    """Threads a daemon may gain after the warm-up. Its worker pool is started whole
+    (`muser.threads`): a pool that grew as calls first overlapped read as a leak here in
+    one short soak in a few (verifier 14 threads after the warm-up, 18 at the end)."""
 
 
 def verdict(points: list[Point], bounds: Bounds = Bounds()) -> list[str]:
