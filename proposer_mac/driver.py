@@ -475,7 +475,7 @@ class SessionRunner:
             and stream is not None
             and not self.cancelled  # (a request already ahead still goes)
         ):
-            outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier)
+            outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier, d.capture_digests)
             if outcome is not None:  # (now: the result may come before the task runs)
                 self.send_ahead.start(stream, speculation, outcome)
 

@@ -199,13 +199,21 @@ class ProposerSession:
         )
         return Signed.of(request, private.sign)
 
-    def predict(self, accepted: int, decoded: Sequence[int], next_frontier: int) -> Outcome | None:
+    def predict(
+        self,
+        accepted: int,
+        decoded: Sequence[int],
+        next_frontier: int,
+        capture_digests: Sequence[bytes] = (),
+    ) -> Outcome | None:
         """What the round in flight (`prepared`) leaves if the verifier decided it so (its
         early decision): the head its result chains to, the transcript and the MT state after
-        it; the result's digests are all the proposer's own to compute. None when that
-        decision cannot be the result of this request, or the result attaches capture
-        fragments (their digests are the target's)."""
-        if self.prepared is None or self.open.capture_layers:
+        it. The result's digests are the proposer's own to compute, but for its capture
+        fragments' (the target's rows), which the decision names: one per layer the session
+        captures. None when that decision cannot be the result of this request."""
+        if self.prepared is None:
+            return None
+        if len(capture_digests) != len(self.open.capture_layers):
             return None
         request = request_of(self.prepared)
         if request.is_tree:  # (a tree's decision is not told early)
@@ -228,7 +236,7 @@ class ProposerSession:
             int(next_frontier),
             state_digest(post),
             transcript_digest(transcript),
-            (),
+            tuple(bytes(d) for d in capture_digests),
             b"",
             "",
             tuple(int(t) for t in decoded),

@@ -31,6 +31,10 @@ from verifier_gx.replay import SessionState
 log = logging.getLogger("muser.verifier")
 
 
+OnDecided = Callable[[RoundDecision, tuple[bytes, ...]], None]
+"""Hears a round's early decision and the capture digests its result will name."""
+
+
 @dataclass(frozen=True)
 class RoundJob:
     """One round waiting for the target (its session lock is held meanwhile)."""
@@ -38,17 +42,29 @@ class RoundJob:
     state: SessionState
     request: RoundRequest
     digest: bytes
-    on_decided: Callable[[RoundDecision], None] | None = None
-    """Told the decision in the worker thread as soon as it is judged, before the result is
-    signed and committed (the early decision the proposer may draft on); must not block."""
+    on_decided: OnDecided | None = None
+    """Told the decision and the capture digests its result will name, in the worker thread
+    as soon as it is judged, before the result is signed and committed (the early decision
+    the proposer may draft on, and send its next request on); must not block."""
 
 
-def _tell(job: RoundJob, decision: RoundDecision) -> None:
-    """Hand `job` its early decision; a hint that cannot be sent changes nothing."""
+def _tell(job: RoundJob, decision: RoundDecision, capture_digests: tuple[bytes, ...]) -> None:
+    """Hand `job` its early decision (and the capture digests its result will name); a hint
+    that cannot be sent changes nothing."""
     try:
-        job.on_decided(decision)
+        job.on_decided(decision, capture_digests)
     except Exception as exc:
         log.warning("the early decision of a round was not sent: %s", exc)
+
+
+def _fragments(job: RoundJob, captured) -> list[tuple[bytes, bytes]]:
+    """A round's capture fragments ((digest, data), in layer order) from its computed
+    `(first position, [(layer, rows)])`."""
+    first, rows_by_layer = captured
+    return [
+        encode_capture(job.state.session_id, job.request.round, layer, first, rows)
+        for layer, rows in rows_by_layer
+    ]
 
 
 class RoundComputer:
@@ -80,32 +96,34 @@ class RoundComputer:
             t0 = self.clock()
             computed, ahead_s = self._compute_batch(jobs)
             share = (self.clock() - t0) / len(jobs)
+        fragments: list[list | BaseException] = []
         for job, c in zip(jobs, computed, strict=True):
+            try:  # hashed before the decision is told: it names them (send-on-decision)
+                fragments.append(c if isinstance(c, BaseException) else _fragments(job, c[1]))
+            except Exception as exc:
+                fragments.append(exc)
+        for job, c, frags in zip(jobs, computed, fragments, strict=True):
             if job.request.is_tree:  # (a tree's decision is no hint the proposer follows)
                 continue
-            if job.on_decided is not None and not isinstance(c, BaseException):
-                _tell(job, c[0])  # the early decision: before signing and the commit
+            if job.on_decided is not None and not isinstance(frags, BaseException):
+                _tell(job, c[0], tuple(d for d, _ in frags))  # before signing and the commit
         out: list[tuple | BaseException] = []
-        for job, c, early in zip(jobs, computed, ahead_s, strict=True):
-            if isinstance(c, BaseException):
-                out.append(c)
+        for job, c, frags, early in zip(jobs, computed, fragments, ahead_s, strict=True):
+            if isinstance(frags, BaseException):
+                out.append(frags)
                 continue
             try:  # a round served by a lookahead counts the forward it took then
-                out.append(self._sign(job, *c, verify_s=share + early))
+                out.append(self._sign(job, c[0], frags, verify_s=share + early))
             except Exception as exc:  # raised in the round's own coroutine
                 out.append(exc)
         return out
 
-    def _sign(self, job: RoundJob, decision: RoundDecision, captured, *, verify_s: float):
-        """Build the RoundResult, check it against the state and sign it."""
+    def _sign(self, job: RoundJob, decision: RoundDecision, captures, *, verify_s: float):
+        """Build the RoundResult naming the round's `captures` ((digest, data) fragments),
+        check it against the state and sign it."""
         state, request, digest = job.state, job.request, job.digest
         tree = request.tree if request.is_tree else None
         emitted = decision.emitted(tree) if tree else decision.emitted(request.drafts)
-        first, rows_by_layer = captured
-        captures = [
-            encode_capture(state.session_id, request.round, layer, first, rows)
-            for layer, rows in rows_by_layer
-        ]
         result = RoundResult(
             state.session_id,
             request.round,

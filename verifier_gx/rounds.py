@@ -28,11 +28,10 @@ from muser.errors import (
 from muser.records import RoundRequest, RoundResult, Signed, request_of, sha256
 from muser.stats import VerifierStats
 from muser.tasks import shielded
-from muser.verify import RoundDecision
 from verifier_gx import journal
 from verifier_gx.admission import check_closure, check_decode, check_drafts, check_tree
 from verifier_gx.batcher import RoundBatcher, RoundQueueFullError
-from verifier_gx.compute import RoundComputer, RoundJob
+from verifier_gx.compute import OnDecided, RoundComputer, RoundJob
 from verifier_gx.fragments import FragmentStage
 from verifier_gx.journal import short
 from verifier_gx.kvpool import KvPool
@@ -124,9 +123,7 @@ class Rounds:
         """Drop what is held for a closed session."""
         self._looked_ahead.pop(session_id, None)
 
-    async def run_round(
-        self, signed: Signed, on_decided: Callable[[RoundDecision], None] | None = None
-    ) -> RoundOutcome:
+    async def run_round(self, signed: Signed, on_decided: OnDecided | None = None) -> RoundOutcome:
         """Admit, compute, commit and sign one round (DESIGN.md §5). `on_decided` hears the
         decision from the worker thread as soon as it is made, before the commit."""
         return await shielded(self._round(signed, on_decided))

@@ -331,13 +331,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         loop = asyncio.get_running_loop()
         early: asyncio.Queue = asyncio.Queue()
 
-        def decided(d: RoundDecision) -> None:  # in the worker thread
+        def decided(d: RoundDecision, capture_digests: tuple[bytes, ...]) -> None:  # worker thread
             msg = pb.VerifierMessage(
                 decision=pb.Decision(
                     round=request.round,
                     accepted=d.accepted,
                     next_frontier=d.next_frontier,
                     decoded=list(d.decoded),
+                    capture_digests=list(capture_digests),
                 )
             )
             loop.call_soon_threadsafe(early.put_nowait, msg)

@@ -73,7 +73,6 @@ from muser.records import (
 )
 from muser.stats import VerifierStats
 from muser.tasks import in_background, shielded
-from muser.verify import RoundDecision
 from verifier_gx import journal, replay
 from verifier_gx.admission import (
     check_identities,
@@ -82,6 +81,7 @@ from verifier_gx.admission import (
     read_prompt,
 )
 from verifier_gx.compaction import LogCompactor, replay_log
+from verifier_gx.compute import OnDecided
 from verifier_gx.fragments import OVERHEAD, FragmentStage
 from verifier_gx.journal import short
 from verifier_gx.kvpool import KvPool
@@ -564,9 +564,7 @@ class SessionManager:
 
     # ---- the round transaction (verifier_gx.rounds) ---------------------------------------
 
-    async def run_round(
-        self, signed: Signed, on_decided: Callable[[RoundDecision], None] | None = None
-    ) -> RoundOutcome:
+    async def run_round(self, signed: Signed, on_decided: OnDecided | None = None) -> RoundOutcome:
         """Admit, compute, commit and sign one round (DESIGN.md §5; `Rounds.run_round`)."""
         return await self.rounds.run_round(signed, on_decided)
 

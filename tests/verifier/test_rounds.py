@@ -214,17 +214,17 @@ async def test_the_decision_is_told_before_the_result_is_signed_or_committed(ver
     verifier.manager.rounds.computer.signing_key = counting
     seen = []
 
-    def decided(d) -> None:  # in the worker thread
-        seen.append((d.accepted, counting.signed, verifier.wal_seq))
+    def decided(d, capture_digests) -> None:  # in the worker thread
+        seen.append((d.accepted, capture_digests, counting.signed, verifier.wal_seq))
 
     request = client.draft_request()
     seq = verifier.wal_seq
     outcome = await verifier.manager.run_round(convert.request_from_pb(client.sign(request)),
                                                decided)  # fmt: skip
-    assert seen == [(outcome.result.accepted, 0, seq)]  # nothing signed, nothing written yet
+    assert seen == [(outcome.result.accepted, (), 0, seq)]  # nothing signed, nothing written yet
     assert counting.signed == 1 and verifier.wal_seq == seq + 1
 
-    def broken(d) -> None:
+    def broken(d, capture_digests) -> None:
         raise RuntimeError("injected: the stream is gone")
 
     client.accept(request, as_message(outcome))
