@@ -36,7 +36,7 @@ import copy
 import inspect
 import os
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -254,9 +254,22 @@ class TorchBackend(HeldTokens):
         """Append each `tokens` to its sequence in one forward; float64 rows per sequence."""
         return self._forward_batch(work, ())[0]
 
+    def evaluate_batch_capture(
+        self, work: Sequence[tuple[TorchSequence, Sequence[int], Sequence[int]]]
+    ) -> list[tuple[np.ndarray, dict[int, np.ndarray]]]:
+        """`evaluate_batch` of `(seq, tokens, layers)`, plus each sequence's float32 (n,
+        hidden) output of its own `layers` (`evaluate_capture`'s rows), in one forward: the
+        verifier batches capturing sessions' rounds with the others'."""
+        wanted = [self._check_layers(layers) for _, _, layers in work]
+        rows, captured = self._forward_batch([(seq, tokens) for seq, tokens, _ in work], wanted)
+        return list(zip(rows, captured, strict=True))
+
     def _forward_batch(
-        self, work: Sequence[tuple[TorchSequence, Sequence[int]]], layers: Sequence[int]
-    ) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        self,
+        work: Sequence[tuple[TorchSequence, Sequence[int]]],
+        layers: Sequence[Sequence[int]] | None,
+    ) -> tuple[list[np.ndarray], list[dict[int, np.ndarray]]]:
+        """Rows of each `(seq, tokens)`, and each one's captured `layers[i]` (None: none)."""
         seqs = [seq for seq, _ in work]
         for seq in seqs:
             if not isinstance(seq, TorchSequence) or seq.owner is not self:
@@ -266,38 +279,44 @@ class TorchBackend(HeldTokens):
         ids = [check_tokens(tokens, self.vocab_size) for _, tokens in work]
         for seq, new in zip(seqs, ids, strict=True):
             check_room(seq.length, len(new), self.geometry.context_length)
-        return self._batch_rows(seqs, ids, layers)
+        return self._batch_rows(seqs, ids, layers or [()] * len(seqs))
 
     def _batch_rows(
-        self, seqs: list[TorchSequence], ids: list[list[int]], layers: Sequence[int]
-    ) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
-        """`_forward_batch` on checked input."""
+        self, seqs: list[TorchSequence], ids: list[list[int]], layers: Sequence[Sequence[int]]
+    ) -> tuple[list[np.ndarray], list[dict[int, np.ndarray]]]:
+        """`_forward_batch` on checked input (`layers`: checked, one list per sequence)."""
         out = [np.zeros((0, self.vocab_size)) for _ in ids]
+        kept: list[dict[int, np.ndarray]] = [{} for _ in ids]
         live = [i for i, new in enumerate(ids) if new]
         if not live:
-            return out, {}
-        if layers and len(live) > 1:
-            raise ValueError("hidden rows are captured one sequence at a time")
+            return out, [{i: self._no_rows() for i in wanted} for wanted in layers]
         torch = self._torch
+        wanted = sorted({i for j in live for i in layers[j]})
         seqs, ids = [seqs[i] for i in live], [ids[i] for i in live]
         counts = [len(x) for x in ids]
         cache = BatchKv(seqs, counts)
         rows, positions, mask = self._inputs(seqs, ids, counts, cache.total)
-        captured: dict[int, np.ndarray] = {}
-        hooks = [self._hook(i, captured) for i in layers]
-        try:
-            logits = self._logits(rows, positions, mask, cache, lean=not layers)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        captured: dict[int, Any] = dict.fromkeys(wanted)
+        if self._lean is not None:  # the lean forward keeps the layers' outputs itself
+            logits = self._logits(rows, positions, mask, cache, keep=captured)
+        else:
+            hooks = [self._hook(i, captured) for i in wanted]
+            try:
+                logits = self._logits(rows, positions, mask, cache)
+            finally:
+                for hook in hooks:
+                    hook.remove()
         logits = logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        hidden = {i: h.to("cpu", torch.float32).numpy() for i, h in captured.items()}
         for seq, x in zip(seqs, ids, strict=True):
             seq._commit(x)
         for j, i in enumerate(live):
             out[i] = logits[j, : counts[j]]
-        for layer in captured:
-            captured[layer] = captured[layer][: counts[0]]
-        return out, captured
+            kept[i] = {layer: hidden[layer][j, : counts[j]] for layer in layers[i]}
+        return out, kept
+
+    def _no_rows(self) -> np.ndarray:
+        return np.zeros((0, self.geometry.hidden_size), np.float32)
 
     def evaluate_tree(
         self, seq: TorchSequence, tokens: Sequence[int], parents: Sequence[int]
@@ -363,16 +382,16 @@ class TorchBackend(HeldTokens):
                 seq._hold_block(x)
         return [logits[j, : len(x)] for j, x in enumerate(ids)]
 
-    def _logits(self, rows, positions, mask, cache: BatchKv, lean: bool = True):
+    def _logits(self, rows, positions, mask, cache: BatchKv, keep: dict | None = None):
         """One forward of token `rows` at `positions` under the additive `mask` (B, W, T),
-        through `cache`: the lean forward where it runs (`lean`: no hooks to feed), else
-        the transformers one."""
+        through `cache`: the lean forward where it runs (which fills `keep` with the
+        outputs of the layers it names), else the transformers one (hooks capture)."""
         torch = self._torch
         with torch.inference_mode():
             input_ids, position_ids = rows.to(self.device), positions.to(self.device)
             mask = mask[:, None].to(self.device)
-            if self._lean is not None and lean:
-                return self._lean.logits(input_ids, position_ids, mask, cache)
+            if self._lean is not None:
+                return self._lean.logits(input_ids, position_ids, mask, cache, keep)
             return self._model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -401,10 +420,9 @@ class TorchBackend(HeldTokens):
         ids = check_tokens(tokens, self.vocab_size)
         check_room(self.length, len(ids), self.geometry.context_length)
         if not ids:
-            empty = np.zeros((0, self.geometry.hidden_size), np.float32)
-            return np.zeros((0, self.vocab_size)), {i: empty.copy() for i in layers}
+            return np.zeros((0, self.vocab_size)), {i: self._no_rows() for i in layers}
         torch = self._torch
-        captured: dict[int, np.ndarray] = {}
+        captured: dict[int, Any] = {}
         hooks = [self._hook(i, captured) for i in layers]
         try:
             with torch.inference_mode():
@@ -422,7 +440,7 @@ class TorchBackend(HeldTokens):
                 hook.remove()
         self._tokens.extend(ids)
         logits = logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
-        return logits, captured
+        return logits, {i: h[0].to("cpu", torch.float32).numpy() for i, h in captured.items()}
 
     def _cut_to_tokens(self) -> None:
         """After a forward that failed part-way (out of memory at layer k): the layers it
@@ -443,12 +461,9 @@ class TorchBackend(HeldTokens):
                 if extra > 0:
                     layer.crop(-extra)
 
-    def _hook(self, index: int, captured: dict[int, np.ndarray]):
-        torch = self._torch
-
+    def _hook(self, index: int, captured: dict[int, Any]):
         def keep(_module, _args, output) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output
-            captured[index] = hidden[0].to("cpu", torch.float32).numpy()
+            captured[index] = output[0] if isinstance(output, tuple) else output
 
         return self._decoder_layers()[index].register_forward_hook(keep)
 

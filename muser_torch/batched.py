@@ -99,8 +99,8 @@ class TorchSequence:
     ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """`TorchBackend.evaluate_capture` on this sequence."""
         wanted = self.owner._check_layers(layers)
-        rows, captured = self.owner._forward_batch([(self, tokens)], wanted)
-        return rows[0], captured
+        rows, captured = self.owner._forward_batch([(self, tokens)], [wanted])
+        return rows[0], captured[0]
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` tokens (refuses n < 0 or n > length); the buffers are kept."""

@@ -102,11 +102,13 @@ class LeanLlama:
         half = x.shape[-1] // 2
         return self._torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def logits(self, input_ids, position_ids, mask, cache):
+    def logits(self, input_ids, position_ids, mask, cache, keep: dict | None = None):
         """(B, W, V) logits of `input_ids` at `position_ids` after `cache`'s keys, under the
-        additive `mask` (B, 1, W, T); `cache.update(k, v, layer)` stores and returns keys."""
+        additive `mask` (B, 1, W, T); `cache.update(k, v, layer)` stores and returns keys.
+        `keep`: for each layer index it holds as a key, the (B, W, hidden) output of that
+        decoder layer is put there (what a forward hook on the layer would read)."""
         hidden = self._F.embedding(input_ids, self.embed, self.padding_idx)
-        return self._layers(hidden, position_ids, mask, cache)
+        return self._layers(hidden, position_ids, mask, cache, keep)
 
     def solo_logits(self, input_ids, cache):
         """One sequence (1, W) after a transformers `DynamicCache`: the positions and the
@@ -125,7 +127,7 @@ class LeanLlama:
         )
         return self._layers(hidden, position_ids, mask, cache)
 
-    def _layers(self, hidden, position_ids, mask, cache):
+    def _layers(self, hidden, position_ids, mask, cache, keep: dict | None = None):
         torch, F = self._torch, self._F
         inv_freq = self.inv_freq
         if inv_freq.device != hidden.device:
@@ -154,6 +156,8 @@ class LeanLlama:
             x = self._rms(hidden, *layer.ln2)
             gated = F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up)
             hidden = residual + F.linear(gated, layer.down)
+            if keep is not None and i in keep:
+                keep[i] = hidden
         hidden = self._rms(hidden, *self.norm)
         return F.linear(hidden, self.lm_head)
 
@@ -223,7 +227,8 @@ def lean_forward(backend: Any, sequence: type) -> LeanLlama | None:
     exactly, else None: supported, and its rows equal the transformers forward's bit for bit
     on both of the backend's paths, one KV (a prefill, one token, three more) and two
     `sequence`s in a batch (ragged prefills, ragged chunks, one query each): every branch
-    transformers' attention takes for these calls."""
+    transformers' attention takes for these calls; on the batched path the outputs of the
+    layers it keeps (capture) equal too."""
     if supports(backend._model) is not None:
         return None
     torch, model = backend._torch, backend._model
@@ -239,17 +244,20 @@ def lean_forward(backend: Any, sequence: type) -> LeanLlama | None:
                 if not torch.equal(mine, ref.logits):
                     return None
         rows = []
+        layers = ([0, len(lean.layers) - 1], [0])  # captured rows too (hooks on theirs)
         for use in (lean, None):
             backend._lean = use
             a, b = sequence(backend), sequence(backend)  # (context_length unchecked)
             steps = ([ids[:5], ids[:2]], [ids[5:9], ids[2:3]], [ids[9:10], ids[3:4]])
-            rows.append([backend._batch_rows([a, b], step, ())[0] for step in steps])
+            got = []
+            for step in steps:
+                logits, captured = backend._batch_rows([a, b], step, layers)
+                got += [*logits, *(c[i] for c in captured for i in sorted(c))]
+            rows.append(got)
     except (ImportError, TypeError, ValueError, RuntimeError, AttributeError, IndexError):
         return None
     finally:
         backend._lean = None
-    pairs = [
-        (x, y) for mine, ref in zip(*rows, strict=True) for x, y in zip(mine, ref, strict=True)
-    ]
+    pairs = list(zip(*rows, strict=True))
     same = all(x.shape == y.shape and (x == y).all() for x, y in pairs)
     return lean if same else None

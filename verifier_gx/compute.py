@@ -24,7 +24,7 @@ from muser.stats import VerifierStats
 from muser.tree import judge_tree
 from muser.verify import RoundDecision, judge_round
 from verifier_gx.decode import decode_batch, decode_decision
-from verifier_gx.executor import witness_each
+from verifier_gx.executor import Capture, Witness, witness_each
 from verifier_gx.kvpool import KvPool
 from verifier_gx.replay import SessionState
 
@@ -160,6 +160,12 @@ class RoundComputer:
         executors = [self.kv.executor(job.state.session_id) for job in jobs]
         logits: dict[int, np.ndarray] = {}
         captured: dict[int, dict[int, np.ndarray]] = {}
+        captures = [self._capture(job) for job in jobs]
+        # capturing rounds share the forward where the backend captures per sequence and no
+        # tree is in it (its mask is a tree's); else each goes alone, as it did
+        in_batch = hasattr(self.backend, "evaluate_batch_capture") and not any(
+            job.request.is_tree for job in jobs
+        )
         batched, decoding = [], []
         for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
             transcript = job.state.transcript
@@ -168,26 +174,28 @@ class RoundComputer:
                 self.stats.kv_rebuilt_tokens += len(transcript) - 1 - held
             if job.request.decode_len > 1:  # a decode round: its steps depend on each other
                 decoding.append(i)
-                continue
-            layers = sorted(set(job.state.open.capture_layers))
-            if not (layers and hasattr(self.backend, "evaluate_capture")):
+            elif captures[i] is None or in_batch:
                 batched.append(i)
-                continue
-            try:  # hidden rows are captured one round at a time
-                logits[i], captured[i] = capture_round(job, ex, layers)
-            except Exception as exc:
-                ex.cursor.realign()
-                out[i] = exc
+            else:
+                try:
+                    logits[i] = ex.witness_logits(transcript, job.request.drafts, captures[i])
+                    captured[i] = ex.captured
+                except Exception as exc:
+                    ex.cursor.realign()
+                    out[i] = exc
         self._decode_batch(jobs, executors, decoding, out)
         rounds = [  # a tree round goes in the same forward, with its tree (witness_batch)
-            (executors[i], jobs[i].state.transcript, jobs[i].request.drafts, *_tree(jobs[i]))
+            Witness(executors[i], jobs[i].state.transcript, jobs[i].request.drafts,
+                    jobs[i].request.tree if jobs[i].request.is_tree else None, captures[i])
             for i in batched
-        ]
+        ]  # fmt: skip
         for i, got in zip(batched, witness_each(self.backend, rounds), strict=True):
             if isinstance(got, Exception):
                 out[i] = got
             else:
                 logits[i] = got
+                if captures[i] is not None:
+                    captured[i] = executors[i].captured
         self._tell_target(out)
         for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
             if out[i] is not None:
@@ -200,6 +208,15 @@ class RoundComputer:
         self.stats.lookahead_hits += sum(1 for s in ahead_s if s > 0)
         return out, ahead_s  # type: ignore[return-value]
 
+    def _capture(self, job: RoundJob) -> Capture | None:
+        """What a round of a capturing session keeps: its layers' rows from the first position
+        not sent to the proposer yet (muser.capture); None when the session captures nothing
+        or the backend cannot."""
+        layers = tuple(sorted(set(job.state.open.capture_layers)))
+        if not layers or not hasattr(self.backend, "evaluate_capture"):
+            return None
+        return Capture(job.state.capture_from, layers)
+
     def _tell_target(self, out: list) -> None:
         """The batch's forwards ran, or one raised something other than a refusal of its
         round (a MuserError names what the round did wrong; anything else is the backend's)."""
@@ -210,17 +227,21 @@ class RoundComputer:
         except Exception as exc:  # health is reported, never a round's failure
             log.warning("the target's health was not updated: %s", exc)
 
-    def look_ahead(self, session_id: bytes, transcript: list[int], drafts: list[int]) -> bool:
-        """Evaluate a round before its request (`TargetExecutor.look_ahead`), on the KV the
-        session already holds (a session whose KV is not held gets none: no eviction and no
-        rebuild for a hint). Runs in a worker thread; the caller holds the session's lock.
-        False when it did not run."""
+    def look_ahead(
+        self, session_id: bytes, transcript: list[int], drafts: list[int], layers=()
+    ) -> bool:
+        """Evaluate a round before its request (`TargetExecutor.look_ahead`; with a capturing
+        session's `layers`), on the KV the session already holds (a session whose KV is not
+        held gets none: no eviction and no rebuild for a hint). Runs in a worker thread; the
+        caller holds the session's lock. False when it did not run."""
         with self._lock:
             ex = self.kv.holding(session_id)
             if ex is None:
                 return False
+            if layers and not hasattr(self.backend, "evaluate_capture"):
+                layers = ()  # (its rounds capture nothing either: `_capture`)
             try:
-                seconds = ex.look_ahead(transcript, drafts, self.clock)
+                seconds = ex.look_ahead(transcript, drafts, self.clock, layers)
             except Exception as exc:  # a hint that cannot be evaluated changes nothing
                 ex.cursor.realign()
                 log.debug("a lookahead was not evaluated: %s", exc)
@@ -268,22 +289,3 @@ class RoundComputer:
             first,
             [(layer, captured[layer][: end - first]) for layer in sorted(captured)],
         )
-
-
-def _tree(job: RoundJob) -> tuple:
-    """A tree round's tree, as the 4th item of its `witness_batch` round; nothing for a chain."""
-    return (job.request.tree,) if job.request.is_tree else ()
-
-
-def capture_round(job: RoundJob, ex, layers: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """A round of a session that captures: one forward evaluates every position whose rows
-    the proposer lacks (from `capture_from`: after an open, the whole transcript again)
-    through the round's frontier and drafts. Returns the round's witness rows and each
-    layer's rows from position `capture_from` on."""
-    state, request = job.state, job.request
-    _, tokens = ex.prepare(state.transcript, request.drafts, redo_from=state.capture_from)
-    rows, captured = ex.cursor.backend.evaluate_capture(tokens, layers)
-    ex.cursor.record(tokens, rows)
-    start = len(ex.cursor.tokens) - len(tokens)  # the position of tokens[0]
-    skip, round_ = state.capture_from - start, len(tokens) - 1 - len(request.drafts)
-    return rows[round_:], {layer: c[skip:] for layer, c in captured.items()}

@@ -9,6 +9,11 @@ transcript minus the frontier (a session whose KV was evicted re-evaluates it he
 every round's [f, drafts] goes through one forward when the backend batches sequences
 (`muser.backend.MultiSequenceBackend`), one after another otherwise.
 
+A capturing session's round (muser.capture) evaluates again, from the first position whose
+rows the proposer has not been sent (`capture_from`), and keeps its capture layers' rows
+from there (`TargetExecutor.captured`): in the batch's forward where the backend captures
+per sequence (`evaluate_batch_capture`), else alone.
+
 Lookahead: before a round's request arrives, the proposer may name the tokens it drafted for
 it (a `Lookahead` hint). `look_ahead` evaluates [f, drafts] after the transcript then, while
 the request is still on its way (its PREPARED fsync, signature, admission); when the request
@@ -20,6 +25,7 @@ batched forward may differ from a lone one in the last bits, as for any batch).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,45 +33,82 @@ from muser.backend import ModelBackend, evaluate_batch
 from muser.cursor import KvCursor
 
 
+class Capture(NamedTuple):
+    """What a capturing round keeps: its layers' rows from position `first` on."""
+
+    first: int
+    layers: tuple[int, ...]
+
+
+class Witness(NamedTuple):
+    """One round for `witness_batch` (a plain `(executor, transcript, drafts)` tuple is one
+    too)."""
+
+    executor: TargetExecutor
+    transcript: Sequence[int]
+    drafts: Sequence[int]
+    tree: Any = None
+    """A tree round's `muser.tree.Tree` (`drafts` are its nodes' tokens); None for a chain."""
+    capture: Capture | None = None
+
+
 class TargetExecutor:
     def __init__(self, backend: ModelBackend) -> None:
         self.cursor = KvCursor(backend)
-        self._ahead: tuple[list[int], np.ndarray, float] | None = None
-        """The last `look_ahead`: its tokens, their rows, the seconds its forward took."""
+        self._ahead: tuple[list[int], np.ndarray, dict, tuple, float] | None = None
+        """The last `look_ahead`: its tokens, their rows, its captured rows and their layers,
+        the seconds its forward took."""
         self.ahead_s = 0.0
         """The forward seconds of the rows the last round took from a lookahead (0: none)."""
+        self.captured: dict[int, np.ndarray] = {}
+        """A capturing round's rows per layer, from its `Capture.first` on, as its witness
+        forward left them (empty for a round that captures nothing)."""
 
-    def look_ahead(self, transcript: Sequence[int], drafts: Sequence[int], clock) -> float | None:
+    def look_ahead(
+        self, transcript: Sequence[int], drafts: Sequence[int], clock, layers: Sequence[int] = ()
+    ) -> float | None:
         """Evaluate the round [transcript[-1], *drafts] now, before its request: append the
-        round's tokens after transcript[:-1], keeping their rows for `take_ahead`. Returns
-        the forward's seconds (`clock` the caller's); None, and nothing evaluated, when the
-        KV does not hold transcript[:-1] (a hint never rebuilds a KV: on a shared one that
-        would take it from the session that holds it)."""
+        round's tokens after transcript[:-1], keeping their rows (and `layers`' rows: a
+        capturing session's round whose rows start at its frontier) for `take_ahead`.
+        Returns the forward's seconds (`clock` the caller's); None, and nothing evaluated,
+        when the KV does not hold transcript[:-1] (a hint never rebuilds a KV: on a shared
+        one that would take it from the session that holds it)."""
         self._ahead = None
         kept = transcript[:-1]
         if self.cursor.reusable(kept) != len(kept):
             return None
         tokens = [int(transcript[-1]), *(int(d) for d in drafts)]
+        layers = tuple(layers)
         t0 = clock()
         self.cursor.hold(kept)  # drops what it holds past `kept` (nothing to evaluate)
-        rows = self.cursor.extend(tokens)
+        if layers:
+            rows, captured = self.cursor.backend.evaluate_capture(tokens, layers)
+            self.cursor.record(tokens, rows)
+        else:
+            rows, captured = self.cursor.extend(tokens), {}
         seconds = clock() - t0
-        self._ahead = (tokens, rows, seconds)
+        self._ahead = (tokens, rows, captured, layers, seconds)
         return seconds
 
-    def take_ahead(self, transcript: Sequence[int], drafts: Sequence[int]) -> np.ndarray | None:
+    def take_ahead(
+        self, transcript: Sequence[int], drafts: Sequence[int], capture: Capture | None = None
+    ) -> np.ndarray | None:
         """The rows `look_ahead` made for this very round (same tokens after the same
-        transcript, and the KV still standing where it left it), their forward's seconds in
-        `ahead_s`; None otherwise. Either way the lookahead is spent."""
-        ahead, self._ahead, self.ahead_s = self._ahead, None, 0.0
+        transcript, the same capture from its frontier on, and the KV still standing where it
+        left it), their forward's seconds in `ahead_s`, its captured rows in `captured`; None
+        otherwise. Either way the lookahead is spent."""
+        ahead, self._ahead, self.ahead_s, self.captured = self._ahead, None, 0.0, {}
         if ahead is None:
             return None
-        tokens, rows, seconds = ahead
+        tokens, rows, captured, layers, seconds = ahead
         if tokens != [int(transcript[-1]), *(int(d) for d in drafts)]:
+            return None
+        wanted = () if capture is None else capture.layers
+        if layers != tuple(wanted) or (capture and capture.first != len(transcript) - 1):
             return None
         if not self.cursor.holds([*transcript[:-1], *tokens]):
             return None
-        self.ahead_s = seconds
+        self.ahead_s, self.captured = seconds, captured
         return rows
 
     def drop_ahead(self) -> None:
@@ -73,12 +116,29 @@ class TargetExecutor:
         mask)."""
         self._ahead, self.ahead_s = None, 0.0
 
-    def witness_logits(self, transcript: Sequence[int], drafts: Sequence[int]) -> np.ndarray:
-        """Raw logits (D+1, V) for [frontier, *drafts] after transcript[:-1]."""
-        if (rows := self.take_ahead(transcript, drafts)) is not None:
+    def witness_logits(
+        self, transcript: Sequence[int], drafts: Sequence[int], capture: Capture | None = None
+    ) -> np.ndarray:
+        """Raw logits (D+1, V) for [frontier, *drafts] after transcript[:-1] (and, with
+        `capture`, its rows in `captured`)."""
+        if (rows := self.take_ahead(transcript, drafts, capture)) is not None:
             return rows
-        self.cursor.hold(transcript[:-1])
-        return self.cursor.extend([transcript[-1], *drafts])
+        if capture is None:
+            self.cursor.hold(transcript[:-1])
+            return self.cursor.extend([transcript[-1], *drafts])
+        _, tokens = self.prepare(transcript, drafts, redo_from=capture.first)
+        rows, captured = self.cursor.backend.evaluate_capture(tokens, capture.layers)
+        self.cursor.record(tokens, rows)
+        return self.keep_captured(transcript, drafts, capture, tokens, rows, captured)
+
+    def keep_captured(self, transcript, drafts, capture: Capture, tokens, rows, captured):
+        """After a capturing round's forward of `tokens` (from `prepare`, ending with the
+        round's own): keep each layer's rows from `capture.first` in `captured`; return the
+        round's witness rows."""
+        start = len(transcript) - len(tokens) + len(drafts)  # the position of tokens[0]
+        skip, round_ = capture.first - start, len(tokens) - 1 - len(drafts)
+        self.captured = {layer: c[skip:] for layer, c in captured.items()}
+        return rows[round_:]
 
     def prepare(
         self, transcript: Sequence[int], drafts: Sequence[int], redo_from: int | None = None
@@ -107,44 +167,68 @@ class TargetExecutor:
 
 
 def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.ndarray]:
-    """Raw logits per `(executor, transcript, drafts)` round, as `witness_logits` returns
-    them, in one forward of `backend` when it batches. Every executor must hold its own
-    sequence of `backend` (or all share `backend` itself, which then runs them in turn). A
-    tree round is `(executor, transcript, its nodes' tokens, its muser.tree.Tree)`: the
-    frontier and its nodes go in the same forward (`evaluate_mixed`: each node sees its
-    ancestors), their block held until `keep_tree_path`."""
+    """Raw logits per round (`Witness`), as `witness_logits` returns them, in one forward
+    of `backend` when it batches. Every executor must hold its own sequence of `backend` (or
+    all share `backend` itself, which then runs them in turn). A tree round's frontier and
+    nodes go in the same forward (`evaluate_mixed`: each node sees its ancestors), their
+    block held until `keep_tree_path`; capturing rounds go in it with their own layers
+    (`evaluate_batch_capture`; not beside a tree)."""
     if not rounds:
         return []
-    trees = [r[3] if len(r) > 3 else None for r in rounds]
-    if any(r[0].cursor.backend is backend for r in rounds):
-        if any(t is not None for t in trees):
+    rounds = [Witness(*r) for r in rounds]
+    trees = any(r.tree is not None for r in rounds)
+    captures = any(r.capture is not None for r in rounds)
+    if any(r.executor.cursor.backend is backend for r in rounds):
+        if trees:
             raise ValueError("a tree round needs a sequence of its own (a KV per session)")
-        return [ex.witness_logits(t, d) for ex, t, d, *_ in rounds]
+        return [r.executor.witness_logits(r.transcript, r.drafts, r.capture) for r in rounds]
+    if trees and captures:
+        raise ValueError("a tree round and a capturing round go in separate forwards")
     ahead = [
-        ex.take_ahead(t, d) if tree is None else ex.drop_ahead()
-        for (ex, t, d, *_), tree in zip(rounds, trees, strict=True)
+        r.executor.take_ahead(r.transcript, r.drafts, r.capture)
+        if r.tree is None
+        else r.executor.drop_ahead()
+        for r in rounds
     ]
     if any(a is not None for a in ahead):  # those rows are made; the rest go in one forward
         rest = [r for r, a in zip(rounds, ahead, strict=True) if a is None]
         made = iter(witness_batch(backend, rest))
         return [a if a is not None else next(made) for a in ahead]
     work = [
-        (ex.cursor.backend, ex.prepare(t, d)[1], None if tree is None else tree.parents)
-        for (ex, t, d, *_), tree in zip(rounds, trees, strict=True)
+        (
+            r.executor.cursor.backend,
+            r.executor.prepare(r.transcript, r.drafts, r.capture and r.capture.first)[1],
+            None if r.tree is None else r.tree.parents,
+            () if r.capture is None else r.capture.layers,
+        )
+        for r in rounds
     ]
     try:
-        if any(tree is not None for tree in trees):
-            rows = backend.evaluate_mixed(work)  # type: ignore[attr-defined]
+        captured: list[dict] = [{} for _ in rounds]
+        if trees:
+            rows = backend.evaluate_mixed([w[:3] for w in work])  # type: ignore[attr-defined]
+        elif captures:
+            got = backend.evaluate_batch_capture(  # type: ignore[attr-defined]
+                [(seq, tokens, layers) for seq, tokens, _, layers in work]
+            )
+            rows, captured = [g[0] for g in got], [g[1] for g in got]
         else:
-            rows = evaluate_batch(backend, [(seq, tokens) for seq, tokens, _ in work])
+            rows = evaluate_batch(backend, [(seq, tokens) for seq, tokens, *_ in work])
     except Exception:  # a backend may have appended some sequences before it refused
-        for ex, *_ in rounds:
-            ex.cursor.realign()
+        for r in rounds:
+            r.executor.cursor.realign()
         raise
-    for (ex, *_), (_, tokens, parents), r in zip(rounds, work, rows, strict=True):
+    out = []
+    for r, (_, tokens, parents, _), rows_r, kept in zip(rounds, work, rows, captured, strict=True):
+        ex = r.executor
         if parents is None:  # (a tree's block is recorded by keep_tree_path)
-            ex.cursor.record(tokens, r)
-    return rows
+            ex.cursor.record(tokens, rows_r)
+        if r.capture is None:
+            ex.captured = {}
+            out.append(rows_r)
+        else:
+            out.append(ex.keep_captured(r.transcript, r.drafts, r.capture, tokens, rows_r, kept))
+    return out
 
 
 def witness_each(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.ndarray | Exception]:

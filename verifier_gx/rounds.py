@@ -179,8 +179,8 @@ class Rounds:
         """The proposer's Lookahead hint: once round `round_` - 1 is committed, and only if it
         emitted `after`, evaluate round `round_`, [after[-1], *drafts] after the transcript,
         before its request (`TargetExecutor.look_ahead`). Only when that is the session's
-        next round, the session holds its KV and captures nothing, the drafts fit what is
-        left, no other session has a round in progress (rounds go first: a lookahead holds
+        next round, the session holds its KV (and, capturing, has been sent every row before
+        the frontier: the round's rows start there), the drafts fit what is left, no other session has a round in progress (rounds go first: a lookahead holds
         the target for a whole forward, and with other sessions at work their next batch
         would wait for it), and no lookahead ran for this round yet (a hint is worth one
         forward). Never refused, never written: False when it did not run."""
@@ -196,14 +196,17 @@ class Rounds:
                 or len(after) > len(state.transcript)
                 or state.transcript[-len(after) :] != [int(t) for t in after]
                 or len(drafts) > max(0, state.remaining - 1)
-                or state.open.capture_layers
+                or (state.open.capture_layers and state.capture_from != len(state.transcript) - 1)
                 or sessions.others_in_flight(session_id)
                 or self._looked_ahead.get(session_id) == round_
             ):
                 return False
             self._looked_ahead[session_id] = round_
             transcript, tokens = list(state.transcript), [int(d) for d in drafts]
-            return await asyncio.to_thread(self.computer.look_ahead, session_id, transcript, tokens)
+            layers = tuple(sorted(set(state.open.capture_layers)))
+            return await asyncio.to_thread(
+                self.computer.look_ahead, session_id, transcript, tokens, layers
+            )
 
     def _retry(self, state, request, digest, stored) -> RoundOutcome:
         stored_digest, stored_bytes = stored

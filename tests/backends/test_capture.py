@@ -61,3 +61,39 @@ def test_capture_layer_out_of_range_refused(layer: int, loaded) -> None:
         backend.evaluate_capture(PROMPT[3:5], [0, layer])
     assert isinstance(info.value, RefusedError)
     assert backend.length == 3
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_a_batch_captures_each_sequences_own_layers_as_each_alone(llama, lean) -> None:
+    """`evaluate_batch_capture`: sequences of different lengths, each with its own layers
+    (one none), in one forward: each gets its rows and its layers' rows as its own forward
+    gives them (within a batch's float rounding), and nothing of another's layers."""
+    from muser_torch.backend import TorchBackend
+
+    backend = TorchBackend(llama, lean=lean)
+    assert backend.forward_kind == ("lean" if lean else "transformers")
+    work = [(PROMPT[:7], [1, 0]), (PROMPT[3:5], []), (PROMPT[:12], [1])]
+    seqs = [backend.sequence() for _ in work]
+    for seq, (tokens, _) in zip(seqs, work, strict=True):  # a ragged history first
+        seq.evaluate(tokens[:2])
+    got = backend.evaluate_batch_capture(
+        [(seq, tokens[2:], layers) for seq, (tokens, layers) in zip(seqs, work, strict=True)]
+    )
+    for (tokens, layers), (rows, captured) in zip(work, got, strict=True):
+        alone = backend.sequence()
+        alone.evaluate(tokens[:2])
+        ref_rows, ref = alone.evaluate_capture(tokens[2:], layers)
+        assert sorted(captured) == sorted(layers)
+        np.testing.assert_allclose(rows, ref_rows, rtol=0, atol=1e-5)
+        for layer in layers:
+            assert captured[layer].shape == (len(tokens) - 2, backend.geometry.hidden_size)
+            np.testing.assert_allclose(captured[layer], ref[layer], rtol=0, atol=1e-5)
+    assert [s.length for s in seqs] == [len(t) for t, _ in work]
+
+
+def test_a_batch_refuses_a_layer_out_of_range_and_moves_no_sequence(loaded) -> None:
+    backend = loaded("torch")
+    a, b = backend.sequence(), backend.sequence()
+    with pytest.raises(CaptureLayerError, match=r"layer 5 outside \[0, 2\)"):
+        backend.evaluate_batch_capture([(a, PROMPT[:3], [0]), (b, PROMPT[:2], [5])])
+    assert (a.length, b.length) == (0, 0)

@@ -90,11 +90,12 @@ def check_decision(decisions: list, result: pb.RoundResult) -> None:
         return
     assert len(decisions) == 1, decisions
     d = decisions[0]
-    assert (d.round, d.accepted, d.next_frontier, list(d.decoded)) == (
+    assert (d.round, d.accepted, d.next_frontier, list(d.decoded), list(d.capture_digests)) == (
         result.round,
         result.accepted,
         result.next_frontier,
         list(result.decoded),
+        list(result.capture_digests),  # named before the result is signed (send-on-decision)
     )
 
 
