@@ -255,6 +255,7 @@ def _lane(
             s["rounds"],
             s["split_s"],
             cpu,
+            {k: s["speculation"][k] for k in ("rounds", "hits", "sent_ahead", "ahead_void")},
         )
 
     run.daemons = daemons  # what the sessions suite reads around a wave of concurrent runs

@@ -191,6 +191,8 @@ def summarise(
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_round": emitted / rounds if rounds else None,
         }
+        if any(s.ahead for s in all_s):
+            out[lane]["ahead"] = _ahead(all_s)
         out[lane]["predicted_tokens_per_s"] = _predicted(out[lane], drafted, rounds)
         out[lane]["overhead_ms_per_round"] = _overhead_ms(all_s)
         out[lane]["cpu_ms_per_round"] = _cpu_ms(all_s, rounds)
@@ -244,6 +246,13 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
     return digest
 
 
+def _ahead(samples: list[Sample]) -> dict:
+    """A cluster lane's drafting ahead, summed over its runs, with the share of the rounds
+    drafted ahead whose guess held (`hit_rate`)."""
+    total = {k: sum(s.ahead.get(k, 0) for s in samples) for k in samples[0].ahead}
+    return total | {"hit_rate": total["hits"] / total["rounds"] if total["rounds"] else None}
+
+
 def format_table(summary: dict) -> str:
     head = (
         f"{'lane':<20} {'tok/s':>8} {'spread':>13} {'×plain':>7} {'×local':>7} {'accept':>7} "
@@ -283,6 +292,13 @@ def format_table(summary: dict) -> str:
         lines.append("round split (seconds summed over all runs):")
         for lane, split in splits:
             lines.append(f"  {lane:<18} " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    ahead = [(lane, r["ahead"]) for lane, r in summary.items() if r.get("ahead")]
+    if ahead:
+        lines.append("drafting ahead (rounds drafted while the one before was away):")
+        for lane, a in ahead:
+            rate = "-" if a["hit_rate"] is None else f"{a['hit_rate']:.2f}"
+            lines.append(f"  {lane:<18} drafted {a['rounds']}  held {a['hits']} ({rate})  "
+                         f"sent on the decision {a['sent_ahead']}  void {a['ahead_void']}")  # fmt: skip
     cpus = [
         (lane, r["cpu_ms_per_round"]) for lane, r in summary.items() if r.get("cpu_ms_per_round")
     ]

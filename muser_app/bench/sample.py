@@ -20,6 +20,10 @@ class Sample:
     cpu_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds the run cost, per process: the bench's own for our in-process lanes
     ("lane"), each daemon's for the cluster ("proposer", "verifier"); empty where unmeasured."""
+    ahead: dict[str, int] = field(default_factory=dict)
+    """A cluster run's drafting ahead (the proposer's `speculation` stats): rounds drafted
+    ahead ("rounds"), those whose guess held ("hits"), requests sent on the early decision
+    ("sent_ahead") and those void ("ahead_void"); empty for other lanes."""
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

@@ -251,7 +251,8 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
         def cpu_s(self):
             return next(self.readings)
 
-    stats = {"drafted": 4, "accepted": 2, "rounds": 2, "split_s": {}}
+    ahead = {"rounds": 1, "hits": 1, "sent_ahead": 1, "ahead_void": 0}
+    stats = {"drafted": 4, "accepted": 2, "rounds": 2, "split_s": {}, "speculation": ahead}
     run = _lane(
         lambda *a, **k: {"tokens": [1, 2, 3], "stats": stats},
         "127.0.0.1:1",
@@ -262,6 +263,7 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
     got = run([5, 6], 3)
     assert got.cpu_s == {"proposer": 0.25}  # the verifier's CPU could not be read: left out
     assert got.tokens == [1, 2, 3] and got.rounds == 2
+    assert got.ahead == ahead  # the proposer's drafting ahead, as its stats said
 
 
 def test_the_receipt_says_where_the_cluster_ran():
@@ -368,3 +370,21 @@ def test_a_pinned_lane_gets_the_bound_of_its_busiest_core():
             "core_bound_tokens_per_s"
             not in summarise([local, cluster], cores=partial)["cluster@0ms"]
         )
+
+
+def test_a_cluster_lanes_drafting_ahead_is_summed_with_its_hit_rate():
+    ahead = [
+        {"rounds": 10, "hits": 4, "sent_ahead": 3, "ahead_void": 0},
+        {"rounds": 6, "hits": 0, "sent_ahead": 0, "ahead_void": 1},
+    ]
+    samples = [
+        sample("plain", 0, 50, 1.0, split_s={"verify": 1.0}),
+        *(sample("cluster@0ms", 0, 50, 1.0, rounds=20, ahead=a) for a in ahead),
+    ]
+    out = summarise(samples)
+    assert out["cluster@0ms"]["ahead"] == {
+        "rounds": 16, "hits": 4, "sent_ahead": 3, "ahead_void": 1, "hit_rate": 0.25
+    }  # fmt: skip
+    assert "ahead" not in out["plain"]
+    lines = format_table(out).splitlines()
+    assert "  cluster@0ms        drafted 16  held 4 (0.25)  sent on the decision 3  void 1" in lines
