@@ -121,6 +121,10 @@ def cluster_lanes(
         yield lanes
 
 
+AHEAD = ("rounds", "hits", "on_decision", "sent_ahead", "ahead_void")
+"""What a cluster run's `Sample.ahead` keeps of the proposer's `speculation` stats."""
+
+
 def as_remote(text: str) -> str:
     """`config init`'s cluster.toml for a verifier behind an injected delay: that verifier
     stands for another machine's, so lane.lookahead is on (auto would see the delay
@@ -255,7 +259,7 @@ def _lane(
             s["rounds"],
             s["split_s"],
             cpu,
-            {k: s["speculation"][k] for k in ("rounds", "hits", "sent_ahead", "ahead_void")},
+            {k: s["speculation"][k] for k in AHEAD},
         )
 
     run.daemons = daemons  # what the sessions suite reads around a wave of concurrent runs

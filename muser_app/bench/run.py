@@ -247,10 +247,12 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
 
 
 def _ahead(samples: list[Sample]) -> dict:
-    """A cluster lane's drafting ahead, summed over its runs, with the share of the rounds
-    drafted ahead whose guess held (`hit_rate`)."""
+    """A cluster lane's drafting ahead, summed over its runs, with the share of its rounds
+    whose guess of their outcome held (`guess_hit_rate`: a draft used that was not drafted
+    again on the decision)."""
     total = {k: sum(s.ahead.get(k, 0) for s in samples) for k in samples[0].ahead}
-    return total | {"hit_rate": total["hits"] / total["rounds"] if total["rounds"] else None}
+    held = total["hits"] - total["on_decision"]
+    return total | {"guess_hit_rate": held / total["rounds"] if total["rounds"] else None}
 
 
 def format_table(summary: dict) -> str:
@@ -294,11 +296,12 @@ def format_table(summary: dict) -> str:
             lines.append(f"  {lane:<18} " + "  ".join(f"{k} {v:.3f}" for k, v in split.items()))
     ahead = [(lane, r["ahead"]) for lane, r in summary.items() if r.get("ahead")]
     if ahead:
-        lines.append("drafting ahead (rounds drafted while the one before was away):")
+        lines.append("drafting ahead (the next round drafted while one is away):")
         for lane, a in ahead:
-            rate = "-" if a["hit_rate"] is None else f"{a['hit_rate']:.2f}"
-            lines.append(f"  {lane:<18} drafted {a['rounds']}  held {a['hits']} ({rate})  "
-                         f"sent on the decision {a['sent_ahead']}  void {a['ahead_void']}")  # fmt: skip
+            rate = "-" if a["guess_hit_rate"] is None else f"{a['guess_hit_rate']:.2f}"
+            lines.append(f"  {lane:<18} rounds {a['rounds']}  used {a['hits']} (on the decision "
+                         f"{a['on_decision']}; the guess held {rate})  sent on the decision "
+                         f"{a['sent_ahead']}  void {a['ahead_void']}")  # fmt: skip
     cpus = [
         (lane, r["cpu_ms_per_round"]) for lane, r in summary.items() if r.get("cpu_ms_per_round")
     ]

@@ -21,9 +21,11 @@ class Sample:
     """CPU seconds the run cost, per process: the bench's own for our in-process lanes
     ("lane"), each daemon's for the cluster ("proposer", "verifier"); empty where unmeasured."""
     ahead: dict[str, int] = field(default_factory=dict)
-    """A cluster run's drafting ahead (the proposer's `speculation` stats): rounds drafted
-    ahead ("rounds"), those whose guess held ("hits"), requests sent on the early decision
-    ("sent_ahead") and those void ("ahead_void"); empty for other lanes."""
+    """A cluster run's drafting ahead (the proposer's `speculation` stats): rounds whose
+    next draft was made while they were away ("rounds"), those drafts used ("hits"), those
+    among them drafted on the early decision because the guess was wrong ("on_decision"),
+    requests sent on the decision ("sent_ahead") and those void ("ahead_void"); empty for
+    other lanes."""
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

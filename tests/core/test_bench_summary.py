@@ -251,7 +251,7 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
         def cpu_s(self):
             return next(self.readings)
 
-    ahead = {"rounds": 1, "hits": 1, "sent_ahead": 1, "ahead_void": 0}
+    ahead = {"rounds": 1, "hits": 1, "on_decision": 0, "sent_ahead": 1, "ahead_void": 0}
     stats = {"drafted": 4, "accepted": 2, "rounds": 2, "split_s": {}, "speculation": ahead}
     run = _lane(
         lambda *a, **k: {"tokens": [1, 2, 3], "stats": stats},
@@ -374,8 +374,8 @@ def test_a_pinned_lane_gets_the_bound_of_its_busiest_core():
 
 def test_a_cluster_lanes_drafting_ahead_is_summed_with_its_hit_rate():
     ahead = [
-        {"rounds": 10, "hits": 4, "sent_ahead": 3, "ahead_void": 0},
-        {"rounds": 6, "hits": 0, "sent_ahead": 0, "ahead_void": 1},
+        {"rounds": 10, "hits": 9, "on_decision": 5, "sent_ahead": 3, "ahead_void": 0},
+        {"rounds": 6, "hits": 3, "on_decision": 3, "sent_ahead": 0, "ahead_void": 1},
     ]
     samples = [
         sample("plain", 0, 50, 1.0, split_s={"verify": 1.0}),
@@ -383,8 +383,10 @@ def test_a_cluster_lanes_drafting_ahead_is_summed_with_its_hit_rate():
     ]
     out = summarise(samples)
     assert out["cluster@0ms"]["ahead"] == {
-        "rounds": 16, "hits": 4, "sent_ahead": 3, "ahead_void": 1, "hit_rate": 0.25
+        "rounds": 16, "hits": 12, "on_decision": 8, "sent_ahead": 3, "ahead_void": 1,
+        "guess_hit_rate": 0.25,  # 12 used, 8 of them drafted again on the decision
     }  # fmt: skip
     assert "ahead" not in out["plain"]
     lines = format_table(out).splitlines()
-    assert "  cluster@0ms        drafted 16  held 4 (0.25)  sent on the decision 3  void 1" in lines
+    assert ("  cluster@0ms        rounds 16  used 12 (on the decision 8; the guess held 0.25)  "
+            "sent on the decision 3  void 1") in lines  # fmt: skip
