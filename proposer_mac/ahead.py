@@ -17,11 +17,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from muser.errors import TreeTopologyError
 from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
 from muser.round import clip_emission
 from muser.stats import LaneStats
 from muser.tasks import in_background
+from muser.tree import check_path, tree_draws
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Branch, Draft, Drafter, first_branch
@@ -153,9 +155,11 @@ class DraftingAhead:
         draft is made; the signed result decides whether it is used (`next_draft`)."""
         s = self.session
         depth = len(current.drafts)
-        if not self.core.speculate or depth == 0 or d.accepted > depth:
+        emitted = told_emission(current, d)
+        if not self.core.speculate or depth == 0 or emitted is None:
             return spec
-        emitted = [*current.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
+        if current.parents:
+            return self._follow_tree(spec, current, d, emitted)
         if spec is not None and spec.drafts_on(emitted):
             spec.choose(emitted)
             return spec  # the guess was right (or this decision came before): keep drafting
@@ -173,6 +177,31 @@ class DraftingAhead:
         self.stats.decisions_followed += 1
         future = self.core.drafts.draft(self.drafter, steps)
         return Speculating(future, threading.Event(), emitted[:-1], emitted)
+
+    def _follow_tree(
+        self, spec: Speculating | None, current: Draft, d: pb.Decision, emitted: list[int]
+    ) -> Speculating | None:
+        """`follow` for a tree in flight: unless the guess (its first branch) drafts on what
+        the decision says, the next tree is drafted on the decision now
+        (`Drafter.follow_tree_steps`), in the shape the session's tree policy picks."""
+        s = self.session
+        if spec is not None and spec.drafts_on(emitted):
+            spec.choose(emitted)
+            return spec
+        clip = clip_emission(emitted, len(s.emitted), s.params.max_tokens, s.params.stop_tokens)
+        remaining = s.params.max_tokens - len(s.emitted) - len(clip.tokens)
+        if clip.done or s.tree is None or remaining < 1:
+            return spec
+        post = advance(s.state, tree_draws(current.parents, list(d.path), s.params.greedy))
+        stop = threading.Event()
+        steps = self.drafter.follow_tree_steps(
+            list(s.transcript), emitted, post, s.tree.choose(remaining), stop
+        )
+        if spec is not None:
+            spec.drop()
+        self.stats.decisions_followed += 1
+        future = self.core.drafts.draft(self.drafter, steps)
+        return Speculating(future, stop, emitted[:-1], emitted)
 
     async def next_draft(
         self, speculation: Speculating | None, tokens: list[int]
@@ -224,3 +253,21 @@ class DraftingAhead:
         else:
             self.drafter.adopt()
         return Taken(held.proposal, 0.0 if ready else time.perf_counter() - t0, branch_hit)
+
+
+def told_emission(current: Draft, d: pb.Decision) -> list[int] | None:
+    """What the round in flight (`current`) emits if its signed result says what the early
+    decision `d` says: a chain's accepted drafts (or decoded tokens), a tree's accepted
+    path, then the next frontier. None when `d` cannot be a decision of `current`."""
+    if current.parents:
+        path = [int(i) for i in d.path]
+        if d.decoded or len(path) != d.accepted:
+            return None
+        try:
+            check_path(current.parents, path)
+        except TreeTopologyError:
+            return None
+        return [*(current.drafts[i] for i in path), int(d.next_frontier)]
+    if d.path or d.accepted > len(current.drafts):
+        return None
+    return [*current.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]

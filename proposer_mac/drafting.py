@@ -305,6 +305,23 @@ class Drafter:
         cursor.record([frontier], np.asarray(root))
         return Draft(list(tree.tokens), list(tree.wire_rows()), parents=list(tree.parents))
 
+    def follow_tree_steps(
+        self,
+        transcript: Sequence[int],
+        emitted: Sequence[int],
+        post: Mt19937,
+        shape: Sequence[int],
+        stop: threading.Event | None = None,
+    ) -> Steps[Speculation]:
+        """The tree after the tree in flight (drafted from `transcript`), drafted on the
+        verifier's early decision before the signed result: after `transcript + emitted`
+        from `post`, in `shape` (its forwards run here, as `tree_steps`'); the very tree
+        `tree_steps` drafts there once the result says the same."""
+        self._rewind()
+        proposal = self._tree([*transcript, *emitted], post, shape, stop)
+        return Speculation(list(emitted), None, proposal)
+        yield  # (a generator: the draft thread drives it like any draft)
+
     def speculate(
         self,
         transcript: Sequence[int],

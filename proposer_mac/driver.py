@@ -57,7 +57,7 @@ from muser.tasks import in_background
 from muser.tree import tree_depth
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac import journal
-from proposer_mac.ahead import DraftingAhead, look_ahead
+from proposer_mac.ahead import DraftingAhead, look_ahead, told_emission
 from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Draft, Drafter
 from proposer_mac.link import LinkDown, RoundRefused, RoundStream, fenced
@@ -463,7 +463,7 @@ class SessionRunner:
         speculation = loop.speculation = self.ahead.follow(ahead, in_flight, d)
         if speculation is None:
             return
-        emitted = [*in_flight.drafts[: d.accepted], *d.decoded, int(d.next_frontier)]
+        emitted = told_emission(in_flight, d)  # (not None: `follow` drafted on it)
         speculation.told[:] = emitted
         if speculation is not ahead and stream is not None and core.lookahead:
             look_ahead(stream, speculation, s.next_round + 1)  # drafted on it
@@ -475,7 +475,9 @@ class SessionRunner:
             and stream is not None
             and not self.cancelled  # (a request already ahead still goes)
         ):
-            outcome = s.predict(d.accepted, list(d.decoded), d.next_frontier, d.capture_digests)
+            outcome = s.predict(
+                d.accepted, list(d.decoded), d.next_frontier, d.capture_digests, list(d.path)
+            )
             if outcome is not None:  # (now: the result may come before the task runs)
                 self.send_ahead.start(stream, speculation, outcome)
 

@@ -83,8 +83,9 @@ class SendAhead:
         remaining = max_tokens - outcome.produced - len(clip.tokens)
         decode_len = 1 if proposal.drafts else s.width.decode_len(remaining)
         signed = s.build_request(
-            proposal.drafts, proposal.q_rows, self.core.private, decode_len, after=outcome
-        )
+            proposal.drafts, proposal.q_rows, self.core.private, decode_len,
+            parents=proposal.parents, after=outcome,
+        )  # fmt: skip
         await self.core.log.append_async(
             journal.encode_prepared(s.session_id, outcome.round + 1, signed)
         )

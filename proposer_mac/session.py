@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
-from muser.errors import MuserError, RefusedError
+from muser.errors import MuserError, RefusedError, TreeTopologyError
 from muser.mt19937 import Mt19937
 from muser.records import (
     Identity,
@@ -37,7 +37,7 @@ from muser.records import (
 )
 from muser.round import clip_emission
 from muser.sampling import SamplingParams, SparseRow
-from muser.tree import check_path
+from muser.tree import check_path, tree_draws
 from muser.tree_width import TreePolicy
 from muser.width import FixedWidth, WidthPolicy
 
@@ -205,24 +205,34 @@ class ProposerSession:
         decoded: Sequence[int],
         next_frontier: int,
         capture_digests: Sequence[bytes] = (),
+        path: Sequence[int] = (),
     ) -> Outcome | None:
         """What the round in flight (`prepared`) leaves if the verifier decided it so (its
-        early decision): the head its result chains to, the transcript and the MT state after
-        it. The result's digests are the proposer's own to compute, but for its capture
-        fragments' (the target's rows), which the decision names: one per layer the session
-        captures. None when that decision cannot be the result of this request."""
+        early decision; a tree's names its accepted `path`): the head its result chains to,
+        the transcript and the MT state after it. The result's digests are the proposer's own
+        to compute, but for its capture fragments' (the target's rows), which the decision
+        names: one per layer the session captures. None when that decision cannot be the
+        result of this request."""
         if self.prepared is None:
             return None
         if len(capture_digests) != len(self.open.capture_layers):
             return None
         request = request_of(self.prepared)
-        if request.is_tree:  # (a tree's decision is not told early)
-            return None
         depth = len(request.drafts)
-        if not 0 <= accepted <= depth or (decoded and depth):
-            return None
-        emitted = [*request.drafts[:accepted], *decoded, int(next_frontier)]
-        post = self._after(depth, accepted, len(emitted))
+        if request.is_tree:
+            try:
+                check_path(request.parents, path)
+            except TreeTopologyError:
+                return None
+            if decoded or accepted != len(path):
+                return None
+            emitted = [*(request.drafts[i] for i in path), int(next_frontier)]
+            post = advance(self.state, tree_draws(request.parents, path, self.params.greedy))
+        else:
+            if not 0 <= accepted <= depth or (decoded and depth) or path:
+                return None
+            emitted = [*request.drafts[:accepted], *decoded, int(next_frontier)]
+            post = self._after(depth, accepted, len(emitted))
         transcript = [*self.transcript, *emitted]
         result = RoundResult(
             self.session_id,
@@ -240,6 +250,8 @@ class ProposerSession:
             b"",
             "",
             tuple(int(t) for t in decoded),
+            tuple(request.parents),
+            tuple(int(i) for i in path),
         )
         return Outcome(
             self.next_round, emitted, len(self.emitted), result.expected_head(), transcript, post

@@ -21,7 +21,7 @@ from muser.health import backend_failure
 from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
 from muser.sampling import target_probs
 from muser.stats import VerifierStats
-from muser.tree import judge_tree
+from muser.tree import TreeDecision, judge_tree
 from muser.verify import RoundDecision, judge_round
 from verifier_gx.decode import decode_batch, decode_decision
 from verifier_gx.executor import Capture, Witness, witness_each
@@ -31,7 +31,7 @@ from verifier_gx.replay import SessionState
 log = logging.getLogger("muser.verifier")
 
 
-OnDecided = Callable[[RoundDecision, tuple[bytes, ...]], None]
+OnDecided = Callable[[RoundDecision | TreeDecision, tuple[bytes, ...]], None]
 """Hears a round's early decision and the capture digests its result will name."""
 
 
@@ -103,8 +103,6 @@ class RoundComputer:
             except Exception as exc:
                 fragments.append(exc)
         for job, c, frags in zip(jobs, computed, fragments, strict=True):
-            if job.request.is_tree:  # (a tree's decision is no hint the proposer follows)
-                continue
             if job.on_decided is not None and not isinstance(frags, BaseException):
                 _tell(job, c[0], tuple(d for d, _ in frags))  # before signing and the commit
         out: list[tuple | BaseException] = []

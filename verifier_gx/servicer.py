@@ -72,6 +72,7 @@ from muser.keys import SignatureError
 from muser.metrics import DaemonView, status_fields
 from muser.records import Signed
 from muser.tasks import in_background
+from muser.tree import TreeDecision
 from muser.verify import RoundDecision
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
@@ -331,14 +332,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         loop = asyncio.get_running_loop()
         early: asyncio.Queue = asyncio.Queue()
 
-        def decided(d: RoundDecision, capture_digests: tuple[bytes, ...]) -> None:  # worker thread
+        def decided(d: RoundDecision | TreeDecision, capture_digests: tuple[bytes, ...]) -> None:
+            tree = isinstance(d, TreeDecision)  # (in the worker thread)
             msg = pb.VerifierMessage(
                 decision=pb.Decision(
                     round=request.round,
                     accepted=d.accepted,
                     next_frontier=d.next_frontier,
-                    decoded=list(d.decoded),
+                    decoded=[] if tree else list(d.decoded),
                     capture_digests=list(capture_digests),
+                    path=list(d.path) if tree else [],
                 )
             )
             loop.call_soon_threadsafe(early.put_nowait, msg)

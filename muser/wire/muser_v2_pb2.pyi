@@ -243,18 +243,20 @@ class ProposerMessage(_message.Message):
     def __init__(self, attach: _Optional[_Union[Attach, _Mapping]] = ..., request: _Optional[_Union[RoundRequest, _Mapping]] = ..., fragment: _Optional[_Union[Fragment, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., lookahead: _Optional[_Union[Lookahead, _Mapping]] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("round", "accepted", "next_frontier", "decoded", "capture_digests")
+    __slots__ = ("round", "accepted", "next_frontier", "decoded", "capture_digests", "path")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_FRONTIER_FIELD_NUMBER: _ClassVar[int]
     DECODED_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted: int
     next_frontier: int
     decoded: _containers.RepeatedScalarFieldContainer[int]
     capture_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., decoded: _Optional[_Iterable[int]] = ..., capture_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., decoded: _Optional[_Iterable[int]] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
     __slots__ = ("result", "fragment", "error", "decision")

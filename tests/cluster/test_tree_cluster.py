@@ -51,7 +51,7 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
     assert cluster.config.lane.tree_nodes == NODES
     assert '"tree_nodes": 16' in cluster.config.lane.receipt.read_text()  # qualified as trees
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    rounds = emitted = hits = 0
+    rounds = emitted = hits = followed = sent = 0
     for i in range(4):
         prompt = prompt_of(cluster, i)
         got = stream_generate(cluster.address, prompt, params)
@@ -61,8 +61,12 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
         assert stats["tree"]["nodes"] > stats["drafted"]  # wider than the chain of its depth
         rounds, emitted = rounds + stats["rounds"], emitted + len(got["tokens"])
         hits += stats["speculation"]["hits"]
+        followed += stats["speculation"]["on_decision"]
+        sent += stats["speculation"]["sent_ahead"]
+        assert stats["speculation"]["ahead_void"] == 0  # each decision predicted its head
     assert emitted / rounds > 1.5  # the toy pair's trees emit ~3 a round (docs/trees.md)
-    assert hits > 0  # trees drafted ahead on their first branch were used
+    assert hits > followed > 0  # trees drafted ahead were used: on the guess, on the decision
+    assert sent > 0  # and the next tree went out on the decision
 
 
 def test_sampled_tree_cluster_repeats_for_a_seed(cluster) -> None:

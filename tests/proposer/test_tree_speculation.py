@@ -21,9 +21,11 @@ TOKENS = 80
 SHAPE = FixedTree([3, 1, 1, 1])
 
 
-def run(target, drafter: Drafter, prompt, params, *, speculate: bool):
+def run(target, drafter: Drafter, prompt, params, *, speculate: bool, follow: bool = False):
     """Tree rounds of the local lane; with `speculate`, the next tree comes from the
-    speculation whenever its guess held. Returns the proposals, the tokens and the hits."""
+    speculation whenever its guess held; with `follow` too, from a tree drafted on the
+    decision (`follow_tree_steps`, as the verifier's early decision makes one) whenever the
+    guess did not. Returns the proposals, the tokens and the hits (guesses and decisions)."""
     t_seq = target.sequence()
     t_seq.evaluate(prompt[:-1])
     rng, transcript, out = Mt19937.from_seed(params.seed), list(prompt), []
@@ -56,9 +58,17 @@ def run(target, drafter: Drafter, prompt, params, *, speculate: bool):
             witness = target_probs(t_seq.evaluate([frontier]), params)
             decision = judge_round(rng, frontier, [], [], witness, greedy=params.greedy)
             emitted = [decision.next_frontier]
+        clipped = clip_emission(emitted, len(out), TOKENS, params.stop_tokens).tokens
+        left = remaining - len(clipped)
+        guessed = spec is not None and spec.proposal is not None and spec.emitted == emitted
+        if follow and proposal.parents and not guessed and left >= 1:
+            steps = drafter.follow_tree_steps(
+                transcript, emitted, decision.post_state, SHAPE.choose(left)
+            )
+            spec = drafter.run(steps)
         rng = decision.post_state
         transcript += emitted
-        out += clip_emission(emitted, len(out), TOKENS, params.stop_tokens).tokens
+        out += clipped
     return proposals, out, hits
 
 
@@ -94,3 +104,29 @@ def test_a_tree_drafted_ahead_is_the_tree_drafted_after_the_result(models, param
         assert len(ahead) == len(after) and all(map(same, ahead, after))
         hits += hit
     assert hits > 0  # the first branch was taken whole, and its tree used
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=TOKENS),
+     SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=4)],
+    ids=["greedy", "sampled"],
+)  # fmt: skip
+def test_a_tree_drafted_on_the_decision_is_the_tree_drafted_after_the_result(
+    models,  # noqa: F811
+    params,
+):
+    """Every tree after the first comes from drafting ahead: the guess where it held, else
+    a tree drafted on the round's decision, from where the guess left the draft's sequence;
+    each is bit for bit the tree drafted after the result."""
+    prompts, target, draft = models
+    for prompt in prompts[:2]:
+        ahead, text, hits = run(target, Drafter(draft().sequence(), params), prompt, params,
+                                speculate=True, follow=True)  # fmt: skip
+        after, plain, _ = run(
+            target, Drafter(draft().sequence(), params), prompt, params, speculate=False
+        )
+        assert text == plain
+        assert len(ahead) == len(after) and all(map(same, ahead, after))
+        drafted = sum(1 for p in ahead[:-1] if p.parents)
+        assert hits == drafted  # every tree after a tree was drafted ahead, and used

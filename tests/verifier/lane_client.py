@@ -90,12 +90,15 @@ def check_decision(decisions: list, result: pb.RoundResult) -> None:
         return
     assert len(decisions) == 1, decisions
     d = decisions[0]
-    assert (d.round, d.accepted, d.next_frontier, list(d.decoded), list(d.capture_digests)) == (
+    told = (d.round, d.accepted, d.next_frontier, list(d.decoded), list(d.capture_digests),
+            list(d.path))  # fmt: skip
+    assert told == (
         result.round,
         result.accepted,
         result.next_frontier,
         list(result.decoded),
         list(result.capture_digests),  # named before the result is signed (send-on-decision)
+        list(result.path),  # a tree's accepted path
     )
 
 
@@ -247,8 +250,7 @@ class LaneClient:
         request = self.draft_request()
         msg, _ = await stream.round_trip(self.sign(request))
         result = self.accept(request, msg)
-        told = 0 if request.is_tree else 1  # (a tree's decision is not told early)
-        assert len(stream.decisions) == told, "a computed chain's result follows its decision"
+        assert len(stream.decisions) == 1, "a computed round's result follows its decision"
         return result
 
     async def run(self, stream: Stream, rounds: int | None = None) -> None:
