@@ -87,9 +87,13 @@ class Daemon:
         raise DaemonError(f"{self.role} did not start in {timeout:.0f}s:\n{self.log_tail()}")
 
     def command(self) -> list[str]:
-        """The daemon's command line: `muser ROLE serve --config FILE` in this interpreter."""
-        return [sys.executable, "-m", "muser_app.cli.main", self.role, "serve", "--config",
-                str(self.config)]  # fmt: skip
+        """The daemon's command line: `muser ROLE serve --config FILE` in this interpreter.
+        Under a PYTHONPATH of its own (a bench variant's checkout) with `-P`: `-m` would
+        otherwise put the working directory first on the path, and a bench started from
+        a checkout would run that checkout's code as the variant's too."""
+        isolated = ["-P"] if "PYTHONPATH" in self.env else []
+        return [sys.executable, *isolated, "-m", "muser_app.cli.main", self.role, "serve",
+                "--config", str(self.config)]  # fmt: skip
 
     def cpu_s(self) -> float | None:
         """CPU seconds this daemon has used so far (`cpu_seconds`); None when not running."""

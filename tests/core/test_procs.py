@@ -83,3 +83,24 @@ def test_the_environment_given_reaches_the_daemon(tmp_path):
     finally:
         daemon.kill()
     assert "MUSER_X=from-the-bench True" in daemon.log_path.read_text()
+
+
+def test_a_variants_pythonpath_wins_over_the_working_directory(tmp_path):
+    """A bench variant's daemons run its checkout's code (`code=PATH` sets PYTHONPATH), even
+    when the bench runs from another checkout: `-m` alone would put the working directory
+    (here this repository) first on the path."""
+    import subprocess
+    from pathlib import Path
+
+    other = tmp_path / "other"
+    (other / "muser_app" / "cli").mkdir(parents=True)
+    for package in ("muser_app", "muser_app/cli"):
+        (other / package / "__init__.py").write_text("")
+    (other / "muser_app" / "cli" / "main.py").write_text("print('other checkout')\n")
+    repo = Path(__file__).resolve().parents[2]
+    daemon = Daemon("verifier", tmp_path / "cluster.toml", tmp_path, {"PYTHONPATH": str(other)})
+    out = subprocess.run(daemon.command(), cwd=repo, env={"PYTHONPATH": str(other)},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.stdout == "other checkout\n", out.stderr
+    plain = Daemon("verifier", tmp_path / "cluster.toml", tmp_path).command()
+    assert "-P" not in plain  # (no PYTHONPATH of its own: this interpreter's own path)
