@@ -246,17 +246,18 @@ def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
 
 
 def tree_lane(config: ClusterConfig, scope: Scope) -> None:
-    """lane.tree_nodes: trees are drafted by a torch draft and judged by a torch target
-    (each evaluates a token tree on a KV of its own), and never for capturing sessions."""
+    """lane.tree_nodes: trees are drafted by a torch draft (it evaluates a token tree on a
+    KV of its own) or by prompt lookup (its rows are its candidates), judged by a torch
+    target, and never for capturing sessions."""
     lane = config.lane
     if not lane.tree_nodes:
         return
     fix = "set lane.tree_nodes = 0 (chains)"
-    if config.proposer.backend != "torch":
+    if config.proposer.backend not in ("torch", "ngram"):
         raise ConfigError(
-            f"lane.tree_nodes {lane.tree_nodes} needs proposer.backend 'torch' (a draft that "
-            f"drafts token trees); proposer.backend is {config.proposer.backend!r}: {fix} or "
-            "change the backend"
+            f"lane.tree_nodes {lane.tree_nodes} needs proposer.backend 'torch' or 'ngram' (a "
+            f"draft that drafts token trees); proposer.backend is "
+            f"{config.proposer.backend!r}: {fix} or change the backend"
         )
     if config.verifier.backend != "torch":
         raise ConfigError(

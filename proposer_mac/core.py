@@ -236,7 +236,9 @@ class ProposerCore:
         # re-prefill each other's transcripts
         own = self.draft_batch or hasattr(self.draft, "fork")
         # a tree is drafted on a sequence of the draft's own (`Drafter.tree_steps`)
-        backend = draft_kv(self.draft, self.draft_batch or session.tree is not None)
+        # a torch draft drafts trees on a sequence of its own; prompt lookup on its fork
+        tree_seq = session.tree is not None and hasattr(self.draft, "sequence")
+        backend = draft_kv(self.draft, self.draft_batch or tree_seq)
         drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner

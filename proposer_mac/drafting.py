@@ -66,7 +66,7 @@ from muser.mt19937 import Mt19937
 from muser.records import advance, draws_for_round
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, sample_ordered
-from muser.tree import draft_tree, tree_draws
+from muser.tree import draft_tree, per_path, tree_draws
 from proposer_mac.backends.ngram import no_proposal
 
 
@@ -278,10 +278,13 @@ class Drafter:
         cursor = self.cursor
         seq = cursor.backend
         owner = getattr(seq, "owner", None)
+        if hasattr(seq, "candidates"):  # prompt lookup: rows from the tokens alone
+            return self._lookup_tree(transcript, state, branching)
         if not hasattr(owner, "evaluate_tree"):
             raise RefusedError(
                 f"a tree round needs a draft that evaluates token trees on a sequence of its "
-                f"own (a torch draft); {type(seq).__name__} does not (set lane.tree_nodes = 0)"
+                f"own (a torch draft) or prompt lookup; {type(seq).__name__} is neither (set "
+                "lane.tree_nodes = 0)"
             )
         if not branching:
             return Draft([], [])
@@ -321,6 +324,16 @@ class Drafter:
         proposal = self._tree([*transcript, *emitted], post, shape, stop)
         return Speculation(list(emitted), None, proposal)
         yield  # (a generator: the draft thread drives it like any draft)
+
+    def _lookup_tree(self, transcript: Sequence[int], state: Mt19937, branching: Sequence[int]):
+        """`_tree` for the n-gram draft: each position's row is `NgramDraft.candidates` after
+        its path; the cursor is left holding the transcript, its last row the frontier's."""
+        if not branching:
+            return Draft([], [])
+        self.cursor.sync(list(transcript))
+        rows_at = per_path(self.cursor.backend.candidates)
+        tree = draft_tree(state.copy(), branching, rows_at, self.params.greedy)
+        return Draft(list(tree.tokens), list(tree.wire_rows()), parents=list(tree.parents))
 
     def speculate(
         self,

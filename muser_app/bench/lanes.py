@@ -246,10 +246,11 @@ def build_lanes(
     if tree_nodes:  # the tree lanes beside the chain, same D, same prompts
         from muser.tree_width import tree_policy
 
-        if not 1 <= draft_len <= tree_nodes or not hasattr(draft, "evaluate_tree"):
+        drafts_trees = hasattr(draft, "evaluate_tree") or hasattr(draft, "candidates")
+        if not 1 <= draft_len <= tree_nodes or not drafts_trees:
             notes["local-tree"] = (
-                f"skipped: trees need 1 <= --draft-len <= --tree-nodes and a torch draft "
-                f"({draft_backend})"
+                f"skipped: trees need 1 <= --draft-len <= --tree-nodes and a torch or n-gram "
+                f"draft ({draft_backend})"
             )
         else:
             for name, mode in (("local-tree", "fixed"), ("local-tree-adaptive", "adaptive")):

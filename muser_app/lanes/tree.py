@@ -12,7 +12,8 @@ Per round, after the frontier f:
      rest.
 A round emits the accepted path and the next frontier: `tokens_per_round` in the stats is
 tokens per target call. A round with no room for a draft (one token left) is a plain step.
-Both backends must evaluate trees (torch backends do)."""
+The target must evaluate trees (torch backends do); the draft too, or be the n-gram draft,
+whose rows are its lookup candidates (`NgramDraft.candidates`: no forward at all)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K, clip_emission
 from muser.sampling import SamplingParams, draft_row, target_probs
 from muser.stats import LaneStats
-from muser.tree import Tree, draft_tree, judge_tree, tree_depth
+from muser.tree import Tree, draft_tree, judge_tree, per_path, tree_depth
 from muser.tree_width import FixedTree, TreePolicy
 from muser.verify import judge_round
 from muser_app.lanes.result import GenerationResult
@@ -60,7 +61,8 @@ def run_local_tree(
     (`muser.tree_width`; told every round's outcome and seconds). `record_rows`: keep, for
     each emitted token, the target's row it was judged or sampled from (float64 logits; what
     qualification compares with plain decode's)."""
-    for name, backend in (("target", target), ("draft", draft)):
+    lookup = hasattr(draft, "candidates")  # the n-gram draft
+    for name, backend in (("target", target), *(() if lookup else (("draft", draft),))):
         if not hasattr(backend, "evaluate_tree"):
             raise ValueError(
                 f"the tree lane needs a {name} that evaluates token trees (torch); "
@@ -75,7 +77,7 @@ def run_local_tree(
     row_params = dataclasses.replace(params, temperature=1.0) if params.greedy else params
     stats = LaneStats(tree_shape=policy.to_dict().get("shape"))
     rows: dict = {}
-    t_seq, d_seq = target.sequence(), draft.sequence()
+    t_seq, d_seq = target.sequence(), (draft.fork() if lookup else draft.sequence())
     if len(prompt) > 1:
         t_seq.evaluate(list(prompt[:-1]))
         d_seq.evaluate(list(prompt[:-1]))
@@ -83,10 +85,13 @@ def run_local_tree(
     frontier, out = int(prompt[-1]), []
     block = [0]  # nodes in the draft's last tree block
 
-    def rows_at(parents: list[int], tokens: list[int], positions: list[int]):
+    def forward_rows(parents: list[int], tokens: list[int], positions: list[int]):
         logits = draft.evaluate_tree(d_seq, [frontier, *tokens], parents)
         block[0] = len(tokens)
         return [draft_row(logits[v], row_params, q_top_k) for v in positions]
+
+    # the n-gram draft's rows: after the frontier and each position's path, from the tokens
+    rows_at = per_path(lambda path: d_seq.candidates([frontier, *path])) if lookup else forward_rows
 
     start = time.perf_counter()
     while True:
@@ -97,7 +102,8 @@ def run_local_tree(
         if tree is None or tree.size == 0:  # a plain step: the bonus from the frontier's row
             logits = t_seq.evaluate([frontier])
             witness = target_probs(logits, params)
-            d_seq.evaluate([frontier])
+            if not lookup:
+                d_seq.evaluate([frontier])
             decision = judge_round(rng, frontier, [], [], witness, greedy=params.greedy)
             emitted, accepted, nodes, judged_at = [decision.next_frontier], 0, 0, [0]
         else:
@@ -107,9 +113,12 @@ def run_local_tree(
                 rng, frontier, tree, witness, greedy=params.greedy, max_nodes=tree.size
             )
             t_seq.keep_path(decision.path)
-            _keep_draft(d_seq, tree, decision.path, block[0])
+            if not lookup:
+                _keep_draft(d_seq, tree, decision.path, block[0])
             emitted, accepted, nodes = decision.emitted(tree), decision.accepted, tree.size
             judged_at = [0, *(i + 1 for i in decision.path)]  # each emitted token's row
+        if lookup:  # it holds the transcript but the new frontier
+            d_seq.evaluate([frontier, *emitted[:-1]])
         rng = decision.post_state
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0

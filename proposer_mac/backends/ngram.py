@@ -19,6 +19,14 @@ the target's argmax.
 
 No match means no proposal: the row is -inf everywhere, and the drafter ends the round's
 draft there (a round may draft fewer than D tokens, or none: then the verifier decodes).
+
+Trees (DESIGN.md §4.1). A token tree's q row at a position is `candidates`: the tokens that
+followed every earlier occurrence of the position's suffix, the longest matching n first and
+the most recent first, each occurrence weighing half the one before it (an occurrence found
+for several n counts once, at its longest). So the heaviest token is always the chain's
+proposal, a tree's first branch is the chain, and its other children are the passages the
+chain passed over. The weights are the q the children are drawn from (without replacement
+at T > 0, the largest at T = 0) and judged against: lossless for any q, as above.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import InvalidOverrideError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import NGRAM_MAX_N, NGRAM_MIN_N, model_identity, ngram_identity
+from muser.sampling import SparseRow
+
+CANDIDATE_OCCURRENCES = 16
+"""Earlier occurrences a tree row reads at most (the 17th would weigh 2^-16 of the first)."""
 
 
 def no_proposal(row: np.ndarray) -> bool:
@@ -92,6 +104,33 @@ class NgramDraft(HeldTokens):
             if ends is not None and len(ends) >= 2:  # ends[-1] is the suffix itself
                 return seq[ends[-2]]
         return None
+
+    def candidates(
+        self, after: Sequence[int] = (), limit: int = CANDIDATE_OCCURRENCES
+    ) -> SparseRow:
+        """The q row of a tree position (module note) after the held tokens and `after`
+        (pushed and popped again): at most `limit` occurrences; no ids when nothing
+        matches."""
+        for token in after:
+            self._push(int(token))
+        try:
+            seq, length = self._tokens, len(self._tokens)
+            weights: dict[int, float] = {}
+            seen: set[int] = set()
+            weight = 1.0
+            for n in range(min(self.max_n, length), self.min_n - 1, -1):
+                ends = self._ends[n].get(tuple(seq[length - n :]), [])
+                for end in reversed(ends[:-1]):  # ends[-1] is the suffix itself
+                    if end in seen or len(seen) >= limit:
+                        continue
+                    seen.add(end)
+                    weights[seq[end]] = weights.get(seq[end], 0.0) + weight
+                    weight /= 2
+        finally:
+            for _ in after:
+                self._pop()
+        ids = np.array(sorted(weights), dtype=np.int64)
+        return SparseRow(ids, np.array([weights[int(i)] for i in ids], dtype=np.float64))
 
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; row i proposes the token after tokens[i] (or nothing)."""

@@ -105,3 +105,27 @@ def test_an_adaptive_tree_lane_learns_shapes_and_stays_exact(tmp_path, fixture_p
         assert len(policy["round_ms"]) >= 3  # it tried the candidates: no draft, chain, trees
     finally:
         cluster.stop()
+
+
+def test_prompt_lookup_drafts_trees_in_the_cluster(tmp_path, fixture_pair) -> None:
+    """proposer.backend "ngram" with lane.tree_nodes: each round a tree of the lookup's
+    candidates (`NgramDraft.candidates`), qualified as trees; greedy text is plain decode's
+    and a seed repeats its sampled text."""
+    cluster = make_cluster(tmp_path, fixture_pair, edit=with_trees("fixed"), draft_kind="ngram")
+    assert cluster.config.proposer.backend == "ngram" and cluster.config.lane.tree_nodes == NODES
+    cluster.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=64)
+        nodes = 0
+        for i in (0, 3):
+            prompt = prompt_of(cluster, i)
+            got = stream_generate(cluster.address, prompt, params)
+            assert got["tokens"] == oracle(cluster, prompt, params), f"prompt {i}"
+            nodes += got["stats"]["tree"]["nodes"]
+        assert nodes > 0
+        sampled = SamplingParams(temperature=1.0, max_tokens=32, seed=2)
+        first = stream_generate(cluster.address, prompt_of(cluster, 1), sampled)
+        again = stream_generate(cluster.address, prompt_of(cluster, 1), sampled)
+        assert first["tokens"] == again["tokens"]
+    finally:
+        cluster.stop()

@@ -343,7 +343,7 @@ def test_each_machine_needs_only_its_own_checkpoint(cluster_file, tiny_pair, unq
 @pytest.mark.parametrize(
     ("key", "value", "says"),
     [
-        ("proposer.backend", "mlx", "lane.tree_nodes 16 needs proposer.backend 'torch'"),
+        ("proposer.backend", "mlx", "lane.tree_nodes 16 needs proposer.backend 'torch' or 'ngram'"),
         ("verifier.backend", "vllm", "lane.tree_nodes 16 needs verifier.backend 'torch'"),
         ("lane.capture_layers", [0], "with lane.capture_layers [0]: capturing sessions send"),
     ],

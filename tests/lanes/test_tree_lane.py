@@ -39,6 +39,25 @@ def test_a_greedy_tree_lane_equals_plain_decode(natural, branching):
         assert len(got.tokens) == 128
 
 
+@pytest.mark.parametrize("branching", [[4, 1, 1, 1], [3, 2, 2]])
+def test_a_greedy_lookup_tree_lane_equals_plain_decode(natural, branching):
+    """The n-gram draft drafts trees of its lookup candidates (no forward); greedy text is
+    plain decode's and rounds still draft."""
+    from proposer_mac.backends.ngram import NgramDraft
+
+    tok, target, _ = natural
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    draft = NgramDraft(build_fixtures(progress=False).natural.target)
+    nodes = 0
+    for i, prompt in enumerate(prompts(tok, 4)):
+        target.reset()
+        oracle = run_plain(target, prompt, params)
+        got = run_local_tree(target, draft, prompt, params, branching=branching)
+        assert got.tokens == oracle.tokens, f"prompt {i}, tree {branching}: differs from plain"
+        nodes += got.stats.tree_nodes
+    assert nodes > 0
+
+
 def test_a_sampled_tree_lane_gives_the_same_tokens_for_the_same_seed(natural):
     tok, target, draft = natural
     params = SamplingParams(temperature=1.0, max_tokens=96, seed=31)

@@ -140,3 +140,68 @@ def test_a_draft_with_no_match_drafts_nothing_and_a_match_follows_the_earlier_te
     made = sampled.draft([1, 2, 3, 1, 2], Mt19937.from_seed(5), depth=4)
     assert made.drafts == [3, 1, 2, 3]  # a chain keeps following what came after (1, 2)
     assert [q.ids.tolist() for q in made.q_rows] == [[3], [1], [2], [3]]
+
+
+def reference_candidates(seq: list[int], min_n: int, max_n: int, limit: int = 16) -> dict:
+    """A tree row the slow way: the earlier occurrences, longest n first and most recent
+    first, each once (at its longest n), each weighing half the one before."""
+    weights, seen, weight = {}, set(), 1.0
+    for n in range(min(max_n, len(seq)), min_n - 1, -1):
+        gram = seq[len(seq) - n :]
+        for end in range(len(seq) - 1, n - 1, -1):
+            if seq[end - n : end] == gram and end not in seen and len(seen) < limit:
+                seen.add(end)
+                weights[seq[end]] = weights.get(seq[end], 0.0) + weight
+                weight /= 2
+    return weights
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seq=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    after=st.lists(st.integers(0, 3), max_size=3),
+    sizes=st.sampled_from([(1, 3), (2, 3), (2, 2)]),
+)
+def test_a_tree_row_equals_the_slow_reference_and_leaves_the_draft_as_it_was(seq, after, sizes):
+    draft = ngram(*sizes)
+    draft.evaluate(seq)
+    row = draft.candidates(after)
+    assert dict(zip(row.ids.tolist(), row.weights.tolist(), strict=True)) == (
+        reference_candidates(seq + after, *sizes)
+    )
+    assert row.ids.tolist() == sorted(row.ids.tolist())
+    assert draft.length == len(seq)  # `after` pushed and popped again
+    assert draft.candidates(after).ids.tolist() == row.ids.tolist()
+    again = ngram(*sizes)
+    again.evaluate(seq + after)
+    proposal = again.proposal()
+    if proposal is None:
+        assert row.ids.size == 0
+    else:  # the heaviest candidate is the chain's proposal: a tree's first branch is the chain
+        assert int(row.ids[np.argmax(row.weights)]) == proposal
+        assert row.weights.max() > row.weights.sum() - row.weights.max()
+
+
+def test_a_tree_row_reads_at_most_its_limit_of_occurrences() -> None:
+    draft = ngram(1, 1)
+    draft.evaluate([0, 1, 0, 2, 0, 3, 0, 1, 0])
+    assert draft.candidates(limit=2).ids.tolist() == [1, 3]  # the two most recent
+    # 1 followed the last 0 and the first, 3 and 2 the ones between: by id, 1, 2, 3
+    assert draft.candidates().weights.tolist() == [1.0 + 0.125, 0.25, 0.5]
+
+
+def test_a_lookup_tree_follows_the_earlier_passages() -> None:
+    """`Drafter.tree_steps` on the n-gram draft: a greedy tree whose first branch is the
+    chain's draft and whose other children are the other continuations seen; the draft is
+    left holding the transcript (the next round evaluates what it emits)."""
+    from proposer_mac.drafting import first_branch
+
+    seq = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 3, 5, 6]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    drafter = Drafter(ngram(2, 3), params)
+    tree = drafter.run(drafter.tree_steps(seq, Mt19937.from_seed(1), [2, 1, 1]))
+    chain = Drafter(ngram(2, 3), params)
+    line = chain.run(chain.draft_steps(seq, Mt19937.from_seed(1), 3))
+    assert [tree.drafts[i] for i in first_branch(tree.parents)] == line.drafts == [7, 3, 5]
+    assert tree.parents[:2] == [-1, -1] and sorted(tree.drafts[:2]) == [7, 8]
+    assert drafter.cursor.tokens == seq
