@@ -15,8 +15,8 @@ from muser.errors import InvalidOverrideError, ModelLoadError, RefusedError
 from muser.identity import model_identity
 from muser.sampling import SamplingParams
 from muser_app.fixtures import build_fixtures, natural_prompts, periodic_prompt
-from muser_app.fixtures.corpus import prompt_cuts
 from muser_app.fixtures.conditioned import TOY_RECIPE, corpus, read_target, unroll
+from muser_app.fixtures.corpus import prompt_cuts
 from muser_app.lanes.local import run_local
 from muser_app.lanes.plain import run_plain
 from muser_app.pairs import pair_conditioned_draft, resolve
@@ -205,8 +205,9 @@ def test_the_seeds_window_bug_a_draft_run_on_a_window_it_was_not_trained_for(toy
     windows = {"half": declared // 2, "declared": declared, "16x": 16 * declared}
     run_on = {**windows, "declared": None}  # declared: as loaded, the window read from the
     natural = {  # checkpoint (a hard-coded one would score as the window it hard-codes)
-        name: lane_acceptance(target, load_draft_backend("conditioned", draft_dir, window=w),
-                              prompts, 64)  # fmt: skip
+        name: lane_acceptance(
+            target, load_draft_backend("conditioned", draft_dir, window=w), prompts, 64
+        )  # fmt: skip
         for name, w in run_on.items()
     }
     report = ", ".join(f"{k} {windows[k]}: {v:.3f}" for k, v in natural.items())
