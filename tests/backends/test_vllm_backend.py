@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from muser.errors import ContextOverflowError, InvalidOverrideError
+from muser.errors import CaptureLayerError, ContextOverflowError, InvalidOverrideError
 from muser_app.testing import ARCHES
 from tests.backends.backend_helpers import (
     PROMPT,
@@ -48,6 +48,40 @@ def test_rows_equal_the_torch_backend_rows(arch: str, loaded, checkpoint) -> Non
     assert backend.identity == torch_rows.identity
     np.testing.assert_allclose(rows, expected, rtol=0, atol=1e-4)
     np.testing.assert_allclose(softmax64(rows), softmax64(expected), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_capture_rows_equal_the_torch_backend_capture(arch: str, loaded, checkpoint) -> None:
+    """issue 32: the layer outputs vLLM's worker keeps (its decoder layer's hidden plus the
+    residual it hands on) are torch's capture, over a prompt and then rounds that reuse the
+    cached KV; the logits stay the plain rows, and a later evaluate captures nothing."""
+    torch_rows = build_backend("torch", checkpoint(arch, **checkpoint_options("vllm")))
+    layers = list(range(torch_rows.num_layers))
+    want_logits, want = torch_rows.evaluate_capture(LONG[:70], layers)
+    backend = loaded("vllm", arch)
+    steps = [(0, 40), (40, 45), (45, 46), (46, 70)]
+    got = [backend.evaluate_capture(LONG[a:b], layers) for a, b in steps]
+    assert backend.full_recomputes == 0
+    logits = np.concatenate([g[0] for g in got])
+    np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-4)
+    for i in layers:
+        rows = np.concatenate([g[1][i] for g in got])
+        assert rows.dtype == np.float32 and rows.shape == want[i].shape
+        scale = np.abs(want[i]).max()
+        assert np.abs(rows - want[i]).max() <= 1e-5 * max(1.0, scale), f"layer {i}"
+    assert np.abs(want[0] - want[layers[-1]]).max() > 0.1  # distinct layers
+    assert backend.evaluate(LONG[70:72]).shape == (2, backend.vocab_size)
+    _, none = backend.evaluate_capture(LONG[72:73], [])
+    assert none == {}
+
+
+@pytest.mark.parametrize("layer", [-1, 99])
+def test_a_capture_layer_out_of_range_is_refused_and_nothing_is_held(layer, loaded) -> None:
+    backend = loaded("vllm")
+    backend.evaluate(LONG[:3])
+    with pytest.raises(CaptureLayerError, match=rf"layer {layer} outside \[0, 2\)"):
+        backend.evaluate_capture(LONG[3:5], [0, layer])
+    assert backend.length == 3
 
 
 def test_a_round_reuses_the_committed_kv(loaded, vllm_path) -> None:

@@ -93,12 +93,21 @@ def test_capture_layer_the_target_lacks_refused(cluster_file, unqualified, capsy
     assert "has 2 decoder layers: use indices in [0, 2)" in err
 
 
-def test_capture_layers_with_a_backend_that_cannot_capture_refused(cluster_file, capsys):
+def test_capture_layers_with_a_backend_that_cannot_capture_refused(
+    cluster_file, unqualified, capsys, monkeypatch
+):
+    # every target kind captures since session 32 (vLLM's worker keeps layer rows too):
+    # the rule stands for a kind that does not, played here by vllm
+    import verifier_gx.backends
+
     set_value(cluster_file, "lane.capture_layers", [0])
     set_value(cluster_file, "verifier.backend", "vllm")
-    err = refused(cluster_file, capsys)
+    with monkeypatch.context() as patch:
+        patch.setattr(verifier_gx.backends, "CAPTURE_KINDS", ("torch",))
+        err = refused(cluster_file, capsys)
     assert "lane.capture_layers [0] needs a target backend that captures hidden rows" in err
     assert "(torch), but verifier.backend is 'vllm'" in err
+    assert main(["config", "check", str(cluster_file)]) == 0  # vllm captures
 
 
 @pytest.mark.parametrize("layers", [[-1], [1, 1]])

@@ -120,6 +120,50 @@ def test_greedy_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_pat
         cluster.stop()
 
 
+def test_the_conditioned_draft_on_a_vllm_target_equals_torch_plain(natural, tmp_path) -> None:
+    """issue 32: the capture stream from a vLLM target. The local lane reads the rows
+    through the target's `evaluate_capture`; a two-daemon cluster with the verifier under
+    vLLM sends them with each signed result. 3 prompts x 64 greedy tokens equal torch's plain
+    decode in both, and the draft drafts from the rows (it accepts)."""
+    from muser_app.cli.cluster_client import stream_generate
+    from muser_app.fixtures import FixturePair
+    from muser_app.pairs import pair_conditioned_draft
+    from tests.cluster.conftest import make_cluster
+
+    tok, torch_target, vllm_target, _ = natural
+    pair = build_fixtures(progress=False).natural
+    draft_dir = pair_conditioned_draft("toy", progress=False)
+    draft = load_draft_backend("conditioned", draft_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    prompts = [encode(tok, text) for text in natural_prompts(3)]
+    oracles = []
+    for prompt in prompts:
+        torch_target.reset()
+        oracles.append(run_plain(torch_target, prompt, params).tokens)
+    accepted = 0
+    for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
+        vllm_target.reset()
+        local = run_local(vllm_target, draft, prompt, params, draft_len=4)
+        assert local.tokens == oracle, f"prompt {i}: the conditioned local lane on vllm differs"
+        accepted += local.stats.accepted
+    assert accepted > 3 * 64 // 4
+    cluster = make_cluster(
+        tmp_path,
+        FixturePair(pair.target, draft_dir),
+        edit=lambda text: text.replace('backend = "torch"', 'backend = "vllm"', 1),
+    )
+    assert cluster.config.verifier.backend == "vllm"
+    assert cluster.config.proposer.backend == "conditioned"
+    cluster.start()
+    try:
+        for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
+            got = stream_generate(cluster.address, prompt, params)
+            assert got["tokens"] == oracle, f"prompt {i}: the vLLM-verified cluster differs"
+            assert got["stats"]["capture"]["bytes"] > 0 and got["stats"]["accepted"] > 0
+    finally:
+        cluster.stop()
+
+
 def test_vllm_speculative_peer_equals_torch_plain(natural) -> None:
     """The bench's vLLM peer (vLLM's own draft-model speculative decoding, D = 4, in a child
     process): 3 prompts x 256 greedy tokens equal torch's plain decode, and it did speculate."""

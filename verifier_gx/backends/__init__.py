@@ -14,7 +14,7 @@ from muser.errors import UnknownBackendError
 
 TargetKind = Literal["torch", "vllm"]
 TARGET_KINDS: tuple[TargetKind, ...] = ("torch", "vllm")
-CAPTURE_KINDS: tuple[TargetKind, ...] = ("torch",)
+CAPTURE_KINDS: tuple[TargetKind, ...] = ("torch", "vllm")
 """Kinds with `evaluate_capture` (hidden rows of chosen layers); the others refuse capture."""
 
 

@@ -17,6 +17,11 @@ computes, tagged with its position and token id. After the request finishes,
 `compute_logits` (the head vLLM samples from) and returns them as float32. The host widens
 them to float64; normalisation happens there (`muser.sampling`), as for every backend.
 
+Capture (`evaluate_capture`): the extension hooks every decoder layer too; the layers a
+request names (`muser_capture`) keep their outputs — vLLM's `hidden + residual`, the residual
+stream transformers' layer returns — for the positions the forward computes, and come back
+beside the logits as float32.
+
 When a position that is needed was served from the cache (the same tokens were evaluated,
 rolled back, and are evaluated again across a full block), its row was never computed: the
 request is repeated with the prefix cache bypassed, a full O(context) recompute, counted in
@@ -44,7 +49,12 @@ from typing import Literal
 import numpy as np
 
 from muser.backend import Geometry, HeldTokens, ModelIdentity
-from muser.errors import InvalidOverrideError, ModelLoadError, UnknownBackendError
+from muser.errors import (
+    CaptureLayerError,
+    InvalidOverrideError,
+    ModelLoadError,
+    UnknownBackendError,
+)
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import config_value, model_identity, read_config
 from muser_torch.backend import DTYPES, set_rope_theta
@@ -71,13 +81,18 @@ def default_kv_cache_bytes(path: str | os.PathLike[str], context_length: int) ->
 
 
 class RowCapture:
-    """Worker extension: keep the final hidden rows the engine computes; turn the requested
-    ones into logits. Mixed into vLLM's worker class, so `self` is the worker."""
+    """Worker extension: keep the final hidden rows the engine computes, and the outputs of
+    the decoder layers a request asks to capture; turn the requested final rows into logits.
+    Mixed into vLLM's worker class, so `self` is the worker."""
 
     def muser_install_row_hook(self) -> str:
-        """Hook the model's forward (once); drop rows kept so far. Returns the model class."""
+        """Hook the model's forward and its decoder layers (once); drop rows kept so far.
+        Returns the model class."""
+        import torch
+
         model = self.model_runner.get_model()
         self._muser_kept = []
+        self._muser_layers, self._muser_wanted = {}, frozenset()
         if getattr(self, "_muser_hook", None) is None:
 
             def keep(_module, _args, kwargs, output) -> None:
@@ -86,19 +101,46 @@ class RowCapture:
                 if positions is None or ids is None or positions.dim() != 1:
                     raise RuntimeError("row capture needs 1-D positions and token ids")
                 n = min(len(positions), len(ids), len(hidden))
+                layers, self._muser_layers = self._muser_layers, {}
                 self._muser_kept.append(
-                    (positions[:n].tolist(), ids[:n].tolist(), hidden[:n].detach().clone())
-                )
+                    (positions[:n].tolist(), ids[:n].tolist(), hidden[:n].detach().clone(),
+                     {i: rows[:n] for i, rows in layers.items()})
+                )  # fmt: skip
+
+            def keeper(index: int):
+                def keep_layer(_module, _args, output) -> None:
+                    if index not in self._muser_wanted:
+                        return
+                    # vLLM's decoder layer hands on (hidden, residual) and adds them in the
+                    # next layer's norm: their sum is the layer's output, the residual stream
+                    # transformers' layer returns
+                    if isinstance(output, tuple):
+                        hidden, residual = output[0], output[1]
+                        out = hidden if residual is None else hidden + residual
+                    else:
+                        out = output
+                    self._muser_layers[index] = out.detach().to(torch.float32).clone()
+
+                return keep_layer
 
             self._muser_hook = model.register_forward_hook(keep, with_kwargs=True)
+            for i, layer in enumerate(model.model.layers):
+                layer.register_forward_hook(keeper(i))
         return type(model).__name__
+
+    def muser_capture(self, layers: list[int]) -> int:
+        """Capture these decoder layers' outputs in the requests that follow (none: []).
+        Returns the model's decoder layer count."""
+        self._muser_wanted = frozenset(int(i) for i in layers)
+        return len(self.model_runner.get_model().model.layers)
 
     def muser_take_rows(
         self, start: int, tokens: list[int]
-    ) -> tuple[int, bytes, tuple[int, int]] | None:
-        """Logits of positions [start, len(tokens)) as float32 bytes, and the kept rows dropped.
+    ) -> tuple[int, bytes, tuple[int, int], dict[int, bytes]] | None:
+        """Logits of positions [start, len(tokens)) as float32 bytes, each captured layer's
+        rows of the same positions as float32 bytes, and the kept rows dropped.
 
-        Returns (first, data, shape): `first` is the lowest position from which every
+        Returns (first, data, shape, layers): `first` is the lowest position from which every
         position up to the end was computed; when `first > start`, `data` is empty and the
         caller must recompute. A rank whose `compute_logits` returns None (a tensor-parallel
         rank other than the first) answers None.
@@ -108,7 +150,7 @@ class RowCapture:
         kept, self._muser_kept = self._muser_kept, []
         end = len(tokens)
         found: dict[int, tuple[int, int]] = {}
-        for c, (positions, ids, _) in enumerate(kept):
+        for c, (positions, ids, _, _) in enumerate(kept):
             for r, (p, t) in enumerate(zip(positions, ids, strict=True)):
                 if start <= p < end and p not in found:
                     if t != tokens[p]:
@@ -118,14 +160,23 @@ class RowCapture:
         while first > start and first - 1 in found:
             first -= 1
         if first > start:
-            return first, b"", (0, 0)
-        hidden = torch.stack([kept[c][2][r] for c, r in (found[p] for p in range(start, end))])
+            return first, b"", (0, 0), {}
+        where = [found[p] for p in range(start, end)]
+        hidden = torch.stack([kept[c][2][r] for c, r in where])
         with torch.inference_mode():
             logits = self.model_runner.get_model().compute_logits(hidden)
         if logits is None:
             return None
         rows = logits.to("cpu", torch.float32).contiguous().numpy()
-        return start, rows.tobytes(), rows.shape
+        layers = {
+            i: torch.stack([kept[c][3][i][r] for c, r in where])
+            .cpu()
+            .contiguous()
+            .numpy()
+            .tobytes()
+            for i in sorted(self._muser_wanted)
+        }
+        return start, rows.tobytes(), rows.shape, layers
 
 
 def _override_config(hf_config, *, rope_theta: float | None, max_positions: int | None):
@@ -243,24 +294,51 @@ class VllmBackend(HeldTokens):
 
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; float64 logits (len(tokens), vocab_size), positions from `length`."""
+        return self._evaluate(tokens, [])[0]
+
+    def evaluate_capture(
+        self, tokens: Sequence[int], layers: Sequence[int]
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """`evaluate`, plus the float32 (n, hidden) output of each requested decoder layer
+        (what layer i hands to layer i+1, before the final norm: `TorchBackend`'s capture),
+        kept by the worker's layer hooks in the same forward."""
+        count = self.num_layers
+        wanted = sorted({int(i) for i in layers})
+        for i in wanted:
+            if not 0 <= i < count:
+                raise CaptureLayerError(f"capture layer {i} outside [0, {count}) decoder layers")
+        return self._evaluate(tokens, wanted)
+
+    def _evaluate(self, tokens: Sequence[int], layers: list[int]):
         ids = check_tokens(tokens, self.vocab_size)
         check_room(self.length, len(ids), self.geometry.context_length)
         if not ids:
-            return np.zeros((0, self.vocab_size))
+            width = self.geometry.hidden_size
+            return np.zeros((0, self.vocab_size)), {
+                i: np.zeros((0, width), np.float32) for i in layers
+            }
         sequence = self._tokens + ids
         start = len(self._tokens)
-        # From position 0 every row is needed, so a cache hit could only force a second pass.
-        logits = self._run(sequence, start, use_cache=start > 0)
-        if logits is None:
-            self.full_recomputes += 1
-            logits = self._run(sequence, start, use_cache=False)
-            if logits is None:
-                raise RuntimeError("vLLM computed no rows although the prefix cache was off")
+        self._llm.collective_rpc("muser_capture", args=(layers,))
+        try:
+            # From position 0 every row is needed, so a cache hit could only force a second
+            # pass.
+            got = self._run(sequence, start, use_cache=start > 0)
+            if got is None:
+                self.full_recomputes += 1
+                got = self._run(sequence, start, use_cache=False)
+                if got is None:
+                    raise RuntimeError("vLLM computed no rows although the prefix cache was off")
+        finally:
+            if layers:
+                self._llm.collective_rpc("muser_capture", args=([],))
+        logits, captured = got
         self._tokens = sequence
-        return logits[:, : self.vocab_size].astype(np.float64)
+        return logits[:, : self.vocab_size].astype(np.float64), captured
 
-    def _run(self, sequence: list[int], start: int, *, use_cache: bool) -> np.ndarray | None:
-        """One engine request over `sequence`; the logits of [start, end), None if cached."""
+    def _run(self, sequence: list[int], start: int, *, use_cache: bool):
+        """One engine request over `sequence`: the logits of [start, end) and the captured
+        layers' rows there, None if a needed position was served from the cache."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -274,10 +352,15 @@ class VllmBackend(HeldTokens):
         (out,) = self._llm.generate([prompt], params, use_tqdm=False)
         self.engine_tokens += len(sequence) - (out.num_cached_tokens or 0)
         replies = self._llm.collective_rpc("muser_take_rows", args=(start, sequence))
-        first, data, shape = next(r for r in replies if r is not None)
+        first, data, shape, layers = next(r for r in replies if r is not None)
         if first > start:
             return None
-        return np.frombuffer(data, dtype=np.float32).reshape(shape)
+        rows = np.frombuffer(data, dtype=np.float32).reshape(shape)
+        n = shape[0]
+        return rows, {
+            i: np.frombuffer(blob, dtype=np.float32).reshape(n, -1).copy()
+            for i, blob in layers.items()
+        }
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` tokens (refuses n < 0 or n > length).
