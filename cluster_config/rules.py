@@ -247,8 +247,9 @@ def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
 
 def tree_lane(config: ClusterConfig, scope: Scope) -> None:
     """lane.tree_nodes: trees are drafted by a torch draft (it evaluates a token tree on a
-    KV of its own) or by prompt lookup (its rows are its candidates), judged by a torch
-    target, and never for capturing sessions."""
+    KV of its own) or by prompt lookup (its rows are its candidates), judged by either
+    target kind (torch in one forward under a tree mask, vLLM a request per branch), and
+    never for capturing sessions."""
     lane = config.lane
     if not lane.tree_nodes:
         return
@@ -258,12 +259,6 @@ def tree_lane(config: ClusterConfig, scope: Scope) -> None:
             f"lane.tree_nodes {lane.tree_nodes} needs proposer.backend 'torch' or 'ngram' (a "
             f"draft that drafts token trees); proposer.backend is "
             f"{config.proposer.backend!r}: {fix} or change the backend"
-        )
-    if config.verifier.backend != "torch":
-        raise ConfigError(
-            f"lane.tree_nodes {lane.tree_nodes} needs verifier.backend 'torch' (a target "
-            f"that judges token trees); verifier.backend is {config.verifier.backend!r}: "
-            f"{fix} or change the backend"
         )
     if lane.capture_layers:
         raise ConfigError(

@@ -154,6 +154,15 @@ class TargetExecutor:
         again = [int(t) for t in kept[start:]]
         return len(kept) - reused, [*again, int(transcript[-1]), *(int(d) for d in drafts)]
 
+    def witness_tree(self, transcript: Sequence[int], tree) -> np.ndarray:
+        """A tree round alone on a backend that evaluates trees on the sequence it holds
+        (`trees_on_held`: vLLM): hold transcript[:-1], then the frontier and the nodes; the
+        block is held until `keep_tree_path`. Raw logits (1 + nodes, V)."""
+        self.drop_ahead()
+        self.prepare(transcript, ())
+        backend = self.cursor.backend
+        return backend.evaluate_tree(backend, [int(transcript[-1]), *tree.tokens], tree.parents)
+
     def keep_tree_path(self, frontier: int, tree, path: Sequence[int], logits: np.ndarray):
         """After a tree round: keep the frontier's and the accepted path's KV (the path's
         keys move next to the frontier's, `keep_path`), drop the other nodes'."""
@@ -179,9 +188,14 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
     trees = any(r.tree is not None for r in rounds)
     captures = any(r.capture is not None for r in rounds)
     if any(r.executor.cursor.backend is backend for r in rounds):
-        if trees:
+        if trees and not getattr(backend, "trees_on_held", False):
             raise ValueError("a tree round needs a sequence of its own (a KV per session)")
-        return [r.executor.witness_logits(r.transcript, r.drafts, r.capture) for r in rounds]
+        return [
+            r.executor.witness_logits(r.transcript, r.drafts, r.capture)
+            if r.tree is None
+            else r.executor.witness_tree(r.transcript, r.tree)
+            for r in rounds
+        ]
     if trees and captures:
         raise ValueError("a tree round and a capturing round go in separate forwards")
     ahead = [

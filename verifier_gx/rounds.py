@@ -104,10 +104,11 @@ class Rounds:
         self.max_tree_nodes = max_tree_nodes
         """The most nodes one tree round may carry (lane.tree_nodes; 0: chains only)."""
         self.judges_trees = bool(max_tree_nodes) and hasattr(backend, "evaluate_tree")
-        self.judges_trees &= kv.per_session
+        self.judges_trees &= kv.per_session or getattr(backend, "trees_on_held", False)
         """Whether tree rounds are judged here (DESIGN.md §4.1): the lane drafts trees and the
-        target evaluates one on a session's own KV (torch); a shared KV (vLLM, fakes) takes
-        chains only."""
+        target evaluates one on a session's own KV (torch) or on the one sequence it holds,
+        a request per branch (vLLM: `trees_on_held`); another shared KV (fakes) takes chains
+        only."""
         self.computer = RoundComputer(backend, kv, signing_key, stats, clock, on_target)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
             self._decide_and_commit,

@@ -77,7 +77,12 @@ def run_local_tree(
     row_params = dataclasses.replace(params, temperature=1.0) if params.greedy else params
     stats = LaneStats(tree_shape=policy.to_dict().get("shape"))
     rows: dict = {}
-    t_seq, d_seq = target.sequence(), (draft.fork() if lookup else draft.sequence())
+    if getattr(target, "trees_on_held", False):  # vLLM: its one held sequence, emptied
+        t_seq = target
+        target.reset()
+    else:
+        t_seq = target.sequence()
+    d_seq = draft.fork() if lookup else draft.sequence()
     if len(prompt) > 1:
         t_seq.evaluate(list(prompt[:-1]))
         d_seq.evaluate(list(prompt[:-1]))

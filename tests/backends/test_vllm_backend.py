@@ -84,6 +84,57 @@ def test_a_capture_layer_out_of_range_is_refused_and_nothing_is_held(layer, load
     assert backend.length == 3
 
 
+TREE_PARENTS = [-1, -1, -1, 0, 0, 3, 1, 6, 7]  # three root children, four leaves, depth 1 to 4
+TREE_TOKENS = [11, 12, 13, 21, 22, 31, 41, 51, 61]
+
+
+def test_a_token_tree_gives_each_node_its_own_paths_row(loaded, vllm_path) -> None:
+    """issue 33: a tree after a 70-token transcript, a request per root-to-leaf path over
+    the prefix cache. Every row (root and nodes) is the float64 reference's row of that
+    node's own path; the held tokens do not move until keep_path keeps one path, and the
+    next round's rows follow that path."""
+    backend = loaded("vllm")
+    transcript = LONG[:70]
+    backend.evaluate(transcript[:-1])
+    root = transcript[-1]
+    before = backend.engine_tokens
+    rows = backend.evaluate_tree(backend, [root, *TREE_TOKENS], TREE_PARENTS)
+    assert rows.shape == (1 + len(TREE_TOKENS), backend.vocab_size)
+    assert backend.length == 69 and backend.full_recomputes == 0
+    leaves = 4  # nodes 2, 4, 5 and 8: per path a partial block and the path, never the context
+    assert backend.engine_tokens - before <= leaves * (backend.block_size - 1 + 5)
+    for entry in range(1 + len(TREE_TOKENS)):
+        path, e = [], entry
+        while e > 0:
+            path.append(TREE_TOKENS[e - 1])
+            e = TREE_PARENTS[e - 1] + 1
+        reference = float64_rows(vllm_path, [*transcript, *reversed(path)])[-1]
+        np.testing.assert_allclose(rows[entry], reference, rtol=0, atol=1e-4, err_msg=f"{entry}")
+    backend.keep_path([1, 6, 7])  # root, 12, 41, 51
+    kept = [*transcript, 12, 41, 51]
+    assert backend.length == len(kept)
+    after = backend.evaluate([7])
+    np.testing.assert_allclose(after[0], float64_rows(vllm_path, [*kept, 7])[-1], rtol=0, atol=1e-4)
+
+
+def test_tree_refusals_leave_the_held_tokens(loaded) -> None:
+    backend = loaded("vllm")
+    backend.evaluate(LONG[:5])
+    with pytest.raises(ValueError, match="keep_path: no tree is held"):
+        backend.keep_path([0])
+    with pytest.raises(ValueError, match="parent 3 is not -1"):
+        backend.evaluate_tree(backend, [1, 2, 3], [-1, 3])
+    with pytest.raises(TypeError, match="is not this backend"):
+        backend.evaluate_tree(object(), [1, 2], [-1])
+    backend.evaluate_tree(backend, [1, 2, 3], [-1, -1])
+    with pytest.raises(ValueError, match="outside the tree's 2"):
+        backend.keep_path([2])
+    backend.rollback(1)  # a tree not kept is dropped by whatever the sequence does next
+    with pytest.raises(ValueError, match="no tree is held"):
+        backend.keep_path([0])
+    assert backend.length == 4
+
+
 def test_a_round_reuses_the_committed_kv(loaded, vllm_path) -> None:
     """Rounds of D+1 = 5 after a 150-token transcript, two drafts rejected in each: the
     engine computes the new tokens and at most block_size - 1 held ones, never the

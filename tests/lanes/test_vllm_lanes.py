@@ -164,6 +164,48 @@ def test_the_conditioned_draft_on_a_vllm_target_equals_torch_plain(natural, tmp_
         cluster.stop()
 
 
+def test_a_tree_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_path) -> None:
+    """issue 33: tree rounds judged on a vLLM target (a request per branch over the prefix
+    cache), in the local tree lane and in a cluster whose verifier offers tree rounds at
+    open: 16-node trees, 3 prompts x 64 greedy tokens equal torch's plain decode in both."""
+    from muser_app.cli.cluster_client import stream_generate
+    from muser_app.lanes.tree import run_local_tree
+    from tests.cluster.conftest import make_cluster
+
+    tok, torch_target, vllm_target, draft = natural
+    pair = build_fixtures(progress=False).natural
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    prompts = [encode(tok, text) for text in natural_prompts(3)]
+    oracles = []
+    for prompt in prompts:
+        torch_target.reset()
+        oracles.append(run_plain(torch_target, prompt, params).tokens)
+    recomputes = vllm_target.full_recomputes
+    for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
+        draft.reset()
+        local = run_local_tree(vllm_target, draft, prompt, params, branching=[4, 1, 1, 1])
+        assert local.tokens == oracle, f"prompt {i}: the local tree lane on vllm differs"
+        assert local.stats.tree_nodes > local.stats.drafted
+    assert vllm_target.full_recomputes == recomputes
+
+    def edit(text: str) -> str:
+        text = text.replace('backend = "torch"', 'backend = "vllm"', 1)
+        text = text.replace("tree_nodes = 0", "tree_nodes = 16")
+        return text.replace('width = "adaptive"', 'width = "fixed"')
+
+    cluster = make_cluster(tmp_path, pair, edit=edit)
+    assert cluster.config.verifier.backend == "vllm" and cluster.config.lane.tree_nodes == 16
+    cluster.start()
+    try:
+        for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
+            got = stream_generate(cluster.address, prompt, params)
+            assert got["tokens"] == oracle, f"prompt {i}: the vLLM tree cluster differs"
+            tree = got["stats"]["tree"]
+            assert tree["shape"] == [4, 1, 1, 1] and tree["nodes"] > got["stats"]["drafted"]
+    finally:
+        cluster.stop()
+
+
 def test_vllm_speculative_peer_equals_torch_plain(natural) -> None:
     """The bench's vLLM peer (vLLM's own draft-model speculative decoding, D = 4, in a child
     process): 3 prompts x 256 greedy tokens equal torch's plain decode, and it did speculate."""

@@ -238,6 +238,8 @@ class VllmBackend(HeldTokens):
         self.full_recomputes = 0
         """Requests repeated with the prefix cache bypassed (see the module docstring)."""
         self._tokens: list[int] = []
+        self._tree: tuple[int, list[int]] | None = None
+        """The last `evaluate_tree`'s (held length, root and nodes) until `keep_path`."""
         if kv_cache_bytes is None:
             kv_cache_bytes = default_kv_cache_bytes(path, self.geometry.context_length)
         self.kv_cache_bytes = kv_cache_bytes
@@ -317,6 +319,7 @@ class VllmBackend(HeldTokens):
             return np.zeros((0, self.vocab_size)), {
                 i: np.zeros((0, width), np.float32) for i in layers
             }
+        self._tree = None
         sequence = self._tokens + ids
         start = len(self._tokens)
         self._llm.collective_rpc("muser_capture", args=(layers,))
@@ -362,6 +365,62 @@ class VllmBackend(HeldTokens):
             for i, blob in layers.items()
         }
 
+    trees_on_held = True
+    """Token trees are evaluated on the held sequence itself (`evaluate_tree(self, ...)`):
+    the verifier judges tree rounds on this backend although it holds one KV."""
+
+    def evaluate_tree(
+        self, seq: VllmBackend, tokens: Sequence[int], parents: Sequence[int]
+    ) -> np.ndarray:
+        """A token tree after the held tokens (DESIGN.md §4.1; `TorchBackend.evaluate_tree`'s
+        contract, `seq` this backend): `tokens[0]` is the root (the frontier), `tokens[i + 1]`
+        node i, whose parent is `parents[i]`. vLLM takes requests, not masks, so each
+        root-to-leaf path is one request over the held tokens plus the path: the prefix
+        cache serves the held blocks (and any full block of a path an earlier one computed),
+        and each request's rows are kept for the entries no earlier path reached. Every row
+        is then the row of its own path, as a linear forward gives it. Float64 logits
+        (len(tokens), vocab); the held tokens are unchanged until `keep_path(path)`."""
+        from muser_torch.batched import tree_depths
+
+        if seq is not self:
+            raise TypeError(f"{seq!r} is not this backend (a vLLM backend holds one sequence)")
+        ids = check_tokens(tokens, self.vocab_size)
+        depths = tree_depths(parents, len(ids))
+        check_room(self.length, max(depths) + 1, self.geometry.context_length)
+        up = [-1, *(p + 1 for p in parents)]  # each entry's parent entry
+        has_child = set(up[1:])
+        rows: list[np.ndarray | None] = [None] * len(ids)
+        base = list(self._tokens)
+        self._tree = None
+        for leaf in (e for e in range(len(ids)) if e not in has_child):
+            path = [leaf]
+            while up[path[-1]] >= 0:
+                path.append(up[path[-1]])
+            path.reverse()
+            fresh = next(k for k, e in enumerate(path) if rows[e] is None)
+            sequence = base + [ids[e] for e in path]
+            start = len(base) + fresh
+            got = self._run(sequence, start, use_cache=True)
+            if got is None:
+                self.full_recomputes += 1
+                got = self._run(sequence, start, use_cache=False)
+                if got is None:
+                    raise RuntimeError("vLLM computed no rows although the prefix cache was off")
+            for e, row in zip(path[fresh:], got[0], strict=True):
+                rows[e] = row
+        self._tree = (len(base), ids)
+        return np.stack(rows)[:, : self.vocab_size].astype(np.float64)  # type: ignore[arg-type]
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """After `evaluate_tree`: hold its root and the nodes of `path` (root's child first)."""
+        if self._tree is None:
+            raise ValueError("keep_path: no tree is held (evaluate_tree first)")
+        length, ids = self._tree
+        if length != len(self._tokens) or any(not 0 <= i < len(ids) - 1 for i in path):
+            raise ValueError(f"keep_path: nodes {list(path)} outside the tree's {len(ids) - 1}")
+        self._tree = None
+        self._tokens = [*self._tokens, ids[0], *(ids[i + 1] for i in path)]
+
     def rollback(self, n: int) -> None:
         """Drop the last `n` tokens (refuses n < 0 or n > length).
 
@@ -369,9 +428,11 @@ class VllmBackend(HeldTokens):
         their whole prefix, so blocks past the new end are never read for other tokens.
         """
         check_rollback(n, self.length)
+        self._tree = None
         if n:
             del self._tokens[-n:]
 
     def reset(self) -> None:
         """Drop the whole sequence (the engine's prefix cache stays warm)."""
+        self._tree = None
         self._tokens.clear()
