@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from muser.backend import ModelBackend, evaluate_batch
-from muser.cursor import KvCursor
+from muser.cursor import KvCursor, owner
 
 
 class Capture(NamedTuple):
@@ -165,7 +165,11 @@ class TargetExecutor:
 
     def keep_tree_path(self, frontier: int, tree, path: Sequence[int], logits: np.ndarray):
         """After a tree round: keep the frontier's and the accepted path's KV (the path's
-        keys move next to the frontier's, `keep_path`), drop the other nodes'."""
+        keys move next to the frontier's, `keep_path`), drop the other nodes'. On a held
+        sequence that another session's round shaped since (`trees_on_held`, sessions taking
+        turns in one batch), nothing is kept: this session's next round rebuilds its KV."""
+        if owner(self.cursor.backend) is not self.cursor:
+            return
         self.cursor.backend.keep_path(list(path))
         at = [0, *(i + 1 for i in path)]
         self.cursor.record([int(frontier), *(int(tree.tokens[i]) for i in path)], logits[at])

@@ -297,3 +297,88 @@ async def test_tree_and_chain_rounds_of_two_sessions_share_one_forward(tree_veri
     want = plain(pair, GREEDY)
     assert tree.out == want and chain.out == want
     assert max(tree_verifier.manager.stats.batch_sizes) == 2  # they did share forwards
+
+
+class HeldTorch:
+    """A torch target holding one sequence that evaluates trees on it, as the vLLM backend
+    does (`trees_on_held`): no `sequence()`, so the verifier's sessions share its KV."""
+
+    trees_on_held = True
+
+    def __init__(self, path) -> None:
+        from muser_torch.backend import TorchBackend
+
+        self._owner = TorchBackend(path)
+        self._seq = self._owner.sequence()
+        self.identity, self.geometry = self._owner.identity, self._owner.geometry
+        self.label, self.device = self._owner.label, self._owner.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self._owner.vocab_size
+
+    @property
+    def device_label(self) -> str:
+        return self._owner.device_label
+
+    @property
+    def length(self) -> int:
+        return self._seq.length
+
+    def evaluate(self, tokens):
+        return self._seq.evaluate(tokens)
+
+    def rollback(self, n: int) -> None:
+        self._seq.rollback(n)
+
+    def reset(self) -> None:
+        self._seq.reset()
+
+    def evaluate_tree(self, seq, tokens, parents):
+        assert seq is self
+        return self._owner.evaluate_tree(self._seq, tokens, parents)
+
+    def keep_path(self, path) -> None:
+        self._seq.keep_path(path)
+
+
+async def test_trees_on_a_target_that_holds_one_sequence(key_set, tmp_path, pair):
+    """A target with one held sequence that evaluates trees on it (vLLM's way, here on
+    torch): the verifier offers tree rounds, two tree sessions take turns on the shared KV
+    (`TargetExecutor.witness_tree`), and each one's greedy text is plain decode."""
+    import asyncio
+
+    v = Verifier(tree_config(key_set, tmp_path / "wal"), key_set, lambda: HeldTorch(pair[0]))
+    await v.start()
+    try:
+        assert v.manager.rounds.judges_trees and not v.manager.kv.per_session
+        clients = [tree_client(v, pair, GREEDY) for _ in range(2)]
+        streams = []
+        for c in clients:
+            assert list((await c.open_session()).features) == ["tree-rounds"]
+            streams.append(await c.attach())
+        while not all(c.done for c in clients):
+            live = [(c, s) for c, s in zip(clients, streams, strict=True) if not c.done]
+            requests = [c.draft_request() for c, _ in live]
+            answers = await asyncio.gather(
+                *(s.round_trip(c.sign(r)) for (c, s), r in zip(live, requests, strict=True))
+            )
+            for (c, _), r, (msg, _) in zip(live, requests, answers, strict=True):
+                c.accept(r, msg)
+        want = plain(pair, GREEDY)
+        assert all(c.out == want for c in clients)
+        assert max(v.manager.stats.batch_sizes) == 2  # they took turns within one batch
+    finally:
+        await v.stop()
+
+
+def test_a_tree_round_on_a_shared_kv_that_cannot_hold_trees_is_refused(pair) -> None:
+    from muser.tree import Tree
+    from muser_torch.backend import TorchBackend
+    from verifier_gx.executor import TargetExecutor, Witness, witness_batch
+
+    target = TorchBackend(pair[0])
+    tree = Tree((-1, -1), (3, 5), (None, None, None))
+    with pytest.raises(ValueError, match="a tree round needs a sequence of its own"):
+        witness_batch(target, [Witness(TargetExecutor(target), [2, 9, 4], [3, 5], tree)])
+    assert target.length == 0  # nothing evaluated
