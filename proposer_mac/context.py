@@ -117,6 +117,7 @@ class DriverContext:
                 f"its tree policy: {s.tree.to_dict()}): use the same cluster file on both "
                 "daemons, or set lane.tree_nodes = 0",
             )
+        fit_decode(s, reply.features)
         s.signer = reply.verifier_key_id
         if reply.resumed:
             log.warning(
@@ -245,3 +246,10 @@ class DriverContext:
 
     def _count_sent(self, n: int) -> None:
         self.pool.fragment_bytes += n
+
+
+def fit_decode(s: ProposerSession, features) -> None:
+    """A capturing session's draftless rounds decode one token on a verifier that does not
+    offer `capture-decode` (one from before session 32 refuses more); else lane.decode_len."""
+    if s.open.capture_layers and "capture-decode" not in features:
+        s.width.decode_len_max = 1

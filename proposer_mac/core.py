@@ -334,7 +334,7 @@ class ProposerCore:
                 js.epoch,
                 js.prompt,
                 js.draft_len,
-                session_width(self.config.lane, js.draft_len, js.open.capture_layers),
+                session_width(self.config.lane, js.draft_len),
             )
             session.homes = list(js.homes)
             session.tree = session_tree(self.config.lane, js.draft_len, js.open.capture_layers)
@@ -443,7 +443,7 @@ class ProposerCore:
             self.key_id,
             draft_len,
             self.capture_layers,
-            width=session_width(lane, draft_len, self.capture_layers),
+            width=session_width(lane, draft_len),
         )
         session.tree = session_tree(lane, draft_len, self.capture_layers)
         left = asyncio.Event()

@@ -63,12 +63,12 @@ def session_tree(lane: Lane, draft_len: int, capture_layers=()) -> TreePolicy | 
     return tree_policy(lane.width, lane.tree_nodes, min(depth, lane.tree_nodes), lane.decode_len)
 
 
-def session_width(lane: Lane, draft_len: int, capture_layers=()) -> WidthPolicy:
+def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
     """A session's width policy: fixed at the D it asked for, or (0: it asked for none) the
     lane's — `lane.width` within [draft_len_min, draft_len_max], starting at draft_len.
-    Draftless rounds decode `lane.decode_len` tokens, one when the session captures hidden
-    rows (a round's rows are those of what it commits, one forward)."""
-    decode_len = 1 if capture_layers or lane.capture_layers else lane.decode_len
+    Draftless rounds decode `lane.decode_len` tokens (a capturing session's too: each step
+    captures its position; on a verifier that does not offer `capture-decode`, one)."""
+    decode_len = lane.decode_len
     if draft_len:
         return FixedWidth(draft_len, decode_len)
     return width_policy(

@@ -176,7 +176,8 @@ def check_closure(state: SessionState, request: RoundRequest, stage: FragmentSta
 
 def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int) -> None:
     """A round's decode_len (verifier_gx/decode.py): 1 with drafts; without, at most what
-    the session may still emit and the lane's `decode_len`, on a session without captures."""
+    the session may still emit and the lane's `decode_len` (a capturing session's decode
+    round captures every step)."""
     k, depth, sid = request.decode_len, len(request.drafts), short(state.session_id)
     if k < 1:
         raise DecodeLengthError(f"decode_len must be >= 1, got {k}")
@@ -192,11 +193,6 @@ def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int
     if k > state.remaining:
         raise DecodeLengthError(
             f"decode_len {k} received; session {sid} may emit {state.remaining} more tokens"
-        )
-    if k > 1 and state.open.capture_layers:
-        raise DecodeLengthError(
-            f"decode_len {k} received; session {sid} captures layers "
-            f"{list(state.open.capture_layers)}: its rounds decode one token at most"
         )
 
 

@@ -181,7 +181,7 @@ class RoundComputer:
                 except Exception as exc:
                     ex.cursor.realign()
                     out[i] = exc
-        self._decode_batch(jobs, executors, decoding, out)
+        self._decode_batch(jobs, executors, decoding, captures, out)
         rounds = [  # a tree round goes in the same forward, with its tree (witness_batch)
             Witness(executors[i], jobs[i].state.transcript, jobs[i].request.drafts,
                     jobs[i].request.tree if jobs[i].request.is_tree else None, captures[i])
@@ -250,17 +250,23 @@ class RoundComputer:
             self.stats.lookahead_s += seconds
             return True
 
-    def _decode_batch(self, jobs: list[RoundJob], executors: list, which: list[int], out: list):
+    def _decode_batch(
+        self, jobs: list[RoundJob], executors: list, which: list[int], captures: list, out: list
+    ):
         """The decode rounds `which` of the batch, in lockstep (`decode_batch`): out[i] gets
-        round i's (decision, no captures) or its exception."""
+        round i's (decision, its captures: every step's rows, muser.capture) or its
+        exception."""
         work = [
             (executors[i], jobs[i].state.transcript, jobs[i].state.mt, jobs[i].request.decode_len,
-             jobs[i].state.params)
+             jobs[i].state.params, captures[i])
             for i in which
         ]  # fmt: skip
         for i, decoded in zip(which, decode_batch(self.backend, work), strict=True):
-            failed = isinstance(decoded, Exception)
-            out[i] = decoded if failed else (decode_decision(decoded, jobs[i].state.mt), (0, []))
+            if isinstance(decoded, Exception):
+                out[i] = decoded
+                continue
+            kept = (jobs[i].state.capture_from, sorted(decoded.captured.items()))
+            out[i] = (decode_decision(decoded, jobs[i].state.mt), kept if captures[i] else (0, []))
 
     def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
         state, request = job.state, job.request

@@ -17,7 +17,7 @@ batched path, as for rounds with drafts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from muser.backend import ModelBackend, batches
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, target_probs
 from muser.verify import RoundDecision, judge_round
-from verifier_gx.executor import TargetExecutor, witness_each
+from verifier_gx.executor import Capture, TargetExecutor, Witness, witness_each
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class Decoded:
     post_state: Mt19937
     logits: np.ndarray
     """The target's raw logits row each token was sampled from, shape (len(tokens), V)."""
+    captured: dict[int, np.ndarray] = field(default_factory=dict)
+    """A capturing round's rows per layer from its `Capture.first` up to the next frontier
+    (each step's forward keeps its own position's; the first also those before it)."""
 
 
 class _Decoding:
@@ -47,6 +50,7 @@ class _Decoding:
         state: Mt19937,
         decode_len: int,
         params: SamplingParams,
+        capture: Capture | None = None,
     ) -> None:
         if decode_len < 1:
             raise ValueError(f"decode_len must be >= 1, got {decode_len}")
@@ -55,6 +59,16 @@ class _Decoding:
         self.rng = state
         self.tokens: list[int] = []
         self.rows: list[np.ndarray] = []
+        self.capture = capture
+        self.captured: dict[int, list[np.ndarray]] = {}
+
+    def witness(self) -> Witness:
+        """The next step's forward: the frontier after the sequence, capturing from the
+        round's `Capture.first` at the first step and from its own position after."""
+        capture = self.capture
+        if capture is not None and self.tokens:
+            capture = Capture(len(self.sequence) - 1, capture.layers)
+        return Witness(self.executor, self.sequence, (), None, capture)
 
     def step(self, logits: np.ndarray) -> bool:
         """Judge one singleton round on `logits` (the row after the sequence), settle its KV;
@@ -63,6 +77,8 @@ class _Decoding:
         decision = judge_round(
             self.rng, self.sequence[-1], [], [], target_probs(logits, p), greedy=p.greedy
         )
+        for layer, rows in self.executor.captured.items():
+            self.captured.setdefault(layer, []).append(rows)
         self.executor.settle(len(self.sequence), 0)
         self.rng = decision.post_state
         self.tokens.append(decision.next_frontier)
@@ -71,7 +87,8 @@ class _Decoding:
         return len(self.tokens) == self.decode_len or decision.next_frontier in p.stop_tokens
 
     def result(self) -> Decoded:
-        return Decoded(self.tokens, self.rng, np.stack(self.rows))
+        captured = {layer: np.concatenate(parts) for layer, parts in self.captured.items()}
+        return Decoded(self.tokens, self.rng, np.stack(self.rows), captured)
 
 
 def decode_round(
@@ -92,9 +109,10 @@ def decode_round(
 
 def decode_batch(
     backend: ModelBackend,
-    work: Sequence[tuple[TargetExecutor, Sequence[int], Mt19937, int, SamplingParams]],
+    work: Sequence[tuple],
 ) -> list[Decoded | Exception]:
-    """`decode_round` of each (executor, transcript, state, decode_len, params), in lockstep:
+    """`decode_round` of each (executor, transcript, state, decode_len, params[, capture]),
+    in lockstep:
     one `witness_each` forward per step over the rounds still decoding. A round that fails
     (its forward, its row) gets its exception in its place; the others go on without it.
 
@@ -113,7 +131,7 @@ def decode_batch(
             out[i] = exc
     while rounds:
         live = list(rounds)
-        steps = [(rounds[i].executor, rounds[i].sequence, ()) for i in live]
+        steps = [rounds[i].witness() for i in live]
         for i, logits in zip(live, witness_each(backend, steps), strict=True):
             try:
                 if isinstance(logits, Exception):

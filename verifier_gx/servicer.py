@@ -211,7 +211,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             epoch=reply.epoch,
             verifier_key_id=reply.verifier_key_id,
             resumed=reply.resumed,
-            features=["tree-rounds"] if self.manager.rounds.judges_trees else [],
+            features=[
+                *(["tree-rounds"] if self.manager.rounds.judges_trees else []),
+                "capture-decode",
+            ],  # fmt: skip
         )
 
     async def CloseSession(

@@ -142,7 +142,7 @@ def test_the_lane_width_knob_decides_a_session_policy():
     assert session_width(Lane(draft_len=0, decode_len=5), 0) == FixedWidth(0, 5)  # no range
     assert FixedWidth(0, 5).to_dict() == {"mode": "fixed", "draft_len": 0, "decode_len": 5}
     capturing = Lane(draft_len=0, decode_len=5, capture_layers=[1])
-    assert session_width(capturing, 0) == FixedWidth(0, 1)  # decode rounds carry no captures
+    assert session_width(capturing, 0) == FixedWidth(0, 5)  # decode rounds capture each step
 
 
 def test_the_lane_width_knob_refuses_other_values():

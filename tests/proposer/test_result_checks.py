@@ -253,3 +253,23 @@ def test_a_forged_tree_result_is_refused(setup, case):
     with pytest.raises(ResultRejected):
         session.check_result(signed_req, resigned, enrolled)
     assert session.next_round == 0 and session.emitted == []
+
+
+@pytest.mark.parametrize(
+    ("layers", "features", "decode_len"),
+    [
+        ((0,), ["capture-decode"], 8),
+        ((0,), [], 1),  # a verifier from before capture-decode refuses more than one
+        ((), [], 8),  # a session that captures nothing decodes the lane's decode_len anyway
+    ],
+)
+def test_a_capturing_session_decodes_what_its_verifier_offers(layers, features, decode_len):
+    from muser.width import FixedWidth
+    from proposer_mac.context import fit_decode
+
+    session = ProposerSession.create(
+        [1, 2, 3], SamplingParams(max_tokens=32), IDENT, IDENT, "key", 0, layers,
+        width=FixedWidth(0, 8),
+    )  # fmt: skip
+    fit_decode(session, features)
+    assert session.width.decode_len(32) == decode_len

@@ -4,7 +4,6 @@ written to the WAL and the session state is unchanged (DESIGN.md §5, §6)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import os
 
@@ -399,24 +398,6 @@ async def test_decode_rounds_emit_exactly_their_singleton_rounds(verifier):
     one, eight = runs[1], runs[8]
     assert eight.out == one.out and len(one.out) == SAMPLED.max_tokens
     assert (len(one.results), len(eight.results)) == (40, 5)
-
-
-async def test_a_capturing_session_decodes_one_token_a_round(verifier):
-    """A capturing round's rows are those of what it commits in one forward, so it decodes
-    one token at most (this fake target cannot capture at all, so the rule is checked on a
-    copy of a live session's state that says it captures layer 0)."""
-    from muser.errors import DecodeLengthError
-    from verifier_gx.admission import check_decode
-
-    client, _ = await opened(verifier, draft_len=0)
-    state = copy.copy(verifier.manager.state(client.session_id))
-    state.open = dataclasses.replace(state.open, capture_layers=(0,))
-    request = undrafted(client.draft_request(), 2)
-    with pytest.raises(
-        DecodeLengthError, match=r"captures layers \[0\]: its rounds decode one token at most"
-    ):
-        check_decode(state, request, 8)
-    check_decode(state, undrafted(client.draft_request(), 1), 8)  # one token a round is fine
 
 
 async def test_a_round_wider_than_the_lane_says_so(verifier):

@@ -134,14 +134,17 @@ async def test_duplicated_and_reordered_fragments_are_absorbed(verifier):
     await stream.close()
 
 
-async def test_capture_rows_arrive_as_fragments_named_by_the_result(key_set, tmp_path):
+@pytest.mark.parametrize("decode_len", [None, 3], ids=["drafted", "decode rounds"])
+async def test_capture_rows_arrive_as_fragments_named_by_the_result(key_set, tmp_path, decode_len):
     """Each layer's rows, float16, for every position committed since the session was last
     opened here, up to the next frontier (whose rows do not exist yet): from position 0 (the
     prompt) in the first round, from the round's frontier after that, from 0 again after a
-    reopen (muser/capture.py)."""
+    reopen (muser/capture.py). A draftless round decoding 3 tokens captures every step's
+    position (the verifier offers `capture-decode`)."""
     v = await Verifier(make_config(key_set, tmp_path / "wal"), key_set, CaptureBackend).start()
     try:
-        client = v.client(SAMPLED, capture_layers=(1, 0))
+        kw = {} if decode_len is None else {"draft_len": 0, "decode_len": decode_len}
+        client = v.client(SAMPLED, capture_layers=(1, 0), **kw)
         await client.open_session()
         stream = await client.attach()
         for i in range(4):
@@ -153,6 +156,8 @@ async def test_capture_rows_arrive_as_fragments_named_by_the_result(key_set, tmp
             first = 0 if i in (0, 3) else len(client.transcript) - 1
             msg, fragments = await stream.round_trip(client.sign(request))
             result = client.accept(request, msg)
+            if decode_len is not None:
+                assert request.decode_len == 3 and len(result.emitted()) == 3
             end = len(client.transcript) - 1  # the next frontier's position
             assert [f.digest for f in fragments] == list(result.capture_digests)
             assert len(fragments) == 2
