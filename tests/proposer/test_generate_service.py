@@ -59,9 +59,10 @@ async def start(
     draft=None,
     proposer=None,
     edit=None,
+    target=FakeBackend,
     **limits,
 ):
-    verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, FakeBackend)
+    verifier = Verifier(make_config(key_set, tmp_path / "wal", **limits), key_set, target)
     await verifier.start()
     cfg = verifier.config
     d = key_set.dir

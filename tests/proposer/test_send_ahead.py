@@ -43,9 +43,11 @@ def twin() -> FakeBackend:
     return FakeBackend()
 
 
-async def run_one(key_set, tmp_path, params, **lane):
+async def run_one(key_set, tmp_path, params, target=FakeBackend, **lane):
     """One session to the end with requests sent ahead; its runner and journal records."""
-    c = await start(key_set, tmp_path, lane={"send_on_decision": True, **lane}, draft=twin())
+    c = await start(
+        key_set, tmp_path, lane={"send_on_decision": True, **lane}, draft=twin(), target=target
+    )
     try:
         runner = await c.server.core.start_session(PROMPT, params)
         await runner.task
@@ -54,14 +56,23 @@ async def run_one(key_set, tmp_path, params, **lane):
         await stop(c)
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["plain", "capturing"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "t1"])
 async def test_every_request_ahead_expects_the_head_its_round_before_committed(
-    key_set, tmp_path, params
+    key_set, tmp_path, params, capture
 ):
     """Each decision predicts its result's head exactly: the requests that went out on the
     decision before them (their PREPARED durable before that round's COMMITTED) were all
-    taken, none was void, and the tokens are the local lane's."""
-    runner, records, verifier = await run_one(key_set, tmp_path, params)
+    taken, none was void, and the tokens are the local lane's. A capturing session's
+    decision names its capture fragments' digests, so its requests go ahead too."""
+    from tests.verifier.conftest import CaptureBackend
+
+    lane = {"capture_layers": [1, 0]} if capture else {}  # out of order: fragments come in
+    # layer order, which the proposer read in the session's order until session 32
+    runner, records, verifier = await run_one(
+        key_set, tmp_path, params, CaptureBackend if capture else FakeBackend, **lane
+    )
+    assert runner.session.open.capture_layers == ((1, 0) if capture else ())
     local = run_local(FakeBackend(), twin(), PROMPT, params, q_top_k=32)
     stats = runner.stats
     assert runner.error is None and runner.session.emitted == local.tokens
