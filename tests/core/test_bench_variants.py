@@ -250,11 +250,13 @@ def test_the_lanes_suite_reads_each_cluster_lanes_round_trip(tmp_path, monkeypat
     import muser_app.bench.cluster
     import muser_app.bench.run
     from muser.sampling import SamplingParams
+    from muser_app.bench.cluster import AHEAD
 
     def stream(address, prompt, params, draft_len):
         n = params.max_tokens
         return {"tokens": [1] * n, "stats": {"drafted": 4, "accepted": 2, "rounds": 2,
-                                             "split_s": {"draft": 0.001, "verify": 0.002}}}  # fmt: skip
+                                             "split_s": {"draft": 0.001, "verify": 0.002},
+                                             "speculation": dict.fromkeys(AHEAD, 0)}}  # fmt: skip
 
     @contextlib.contextmanager
     def fake_cluster(target, draft, params, **kw):
