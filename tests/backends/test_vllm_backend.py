@@ -90,15 +90,16 @@ TREE_TOKENS = [11, 12, 13, 21, 22, 31, 41, 51, 61]
 
 def test_a_token_tree_gives_each_node_its_own_paths_row(loaded, vllm_path) -> None:
     """issue 33: a tree after a 70-token transcript, a request per root-to-leaf path over
-    the prefix cache. Every row (root and nodes) is the float64 reference's row of that
-    node's own path; the held tokens do not move until keep_path keeps one path, and the
-    next round's rows follow that path."""
+    the prefix cache, all in one engine step. Every row (root and nodes) is the float64
+    reference's row of that node's own path; the held tokens do not move until keep_path
+    keeps one path, and the next round's rows follow that path."""
     backend = loaded("vllm")
     transcript = LONG[:70]
     backend.evaluate(transcript[:-1])
     root = transcript[-1]
-    before = backend.engine_tokens
+    before, calls = backend.engine_tokens, backend.engine_calls
     rows = backend.evaluate_tree(backend, [root, *TREE_TOKENS], TREE_PARENTS)
+    assert backend.engine_calls == calls + 1  # every path in one engine step
     assert rows.shape == (1 + len(TREE_TOKENS), backend.vocab_size)
     assert backend.length == 69 and backend.full_recomputes == 0
     leaves = 4  # nodes 2, 4, 5 and 8: per path a partial block and the path, never the context
@@ -115,6 +116,26 @@ def test_a_token_tree_gives_each_node_its_own_paths_row(loaded, vllm_path) -> No
     assert backend.length == len(kept)
     after = backend.evaluate([7])
     np.testing.assert_allclose(after[0], float64_rows(vllm_path, [*kept, 7])[-1], rtol=0, atol=1e-4)
+
+
+def test_tree_paths_whose_rows_did_not_come_go_alone(loaded, monkeypatch) -> None:
+    """The worker answers None for a path it cannot tell apart; that path goes again as a
+    request of its own and the rows are the same."""
+    backend = loaded("vllm")
+    backend.evaluate(LONG[:69])
+    tree = [LONG[69], *TREE_TOKENS]
+    together = backend.evaluate_tree(backend, tree, TREE_PARENTS)
+    real = backend._run_paths
+
+    def second_lost(base, paths, ids):
+        got = real(base, paths, ids)
+        return [g if i != 1 else None for i, g in enumerate(got)]
+
+    monkeypatch.setattr(backend, "_run_paths", second_lost)
+    calls = backend.engine_calls
+    again = backend.evaluate_tree(backend, tree, TREE_PARENTS)
+    assert backend.engine_calls == calls + 2  # the step, then the lost path alone
+    np.testing.assert_allclose(again, together, rtol=0, atol=1e-5)
 
 
 def test_tree_refusals_leave_the_held_tokens(loaded) -> None:

@@ -134,6 +134,52 @@ class RowCapture:
         self._muser_wanted = frozenset(int(i) for i in layers)
         return len(self.model_runner.get_model().model.layers)
 
+    def muser_take_paths(
+        self, base: int, sequences: list[list[int]]
+    ) -> list[tuple[bytes, tuple[int, int]] | None] | None:
+        """After one step of requests that share their first `base` tokens (a token tree's
+        paths): each request's logits of positions [base, len(sequence)) as float32 bytes,
+        or None for a request whose rows cannot be told apart or were not computed from
+        `base` on (the caller evaluates it alone). The forward's rows are split into runs of
+        consecutive positions (each request's scheduled tokens), each run matched to the
+        request whose sequence it ends and spells; a run starting at or before `base` sits
+        on the shared prefix, so its match is the only sequence it can be."""
+        import torch
+
+        kept, self._muser_kept = self._muser_kept, []
+        found: list[torch.Tensor | None] = [None] * len(sequences)
+        for positions, ids, hidden, _ in kept:
+            i = 0
+            while i < len(positions):
+                j = i + 1
+                while j < len(positions) and positions[j] == positions[j - 1] + 1:
+                    j += 1
+                first, end = positions[i], positions[i] + (j - i)
+                if first <= base:
+                    for r, seq in enumerate(sequences):
+                        if found[r] is None and len(seq) == end and seq[first:end] == ids[i:j]:
+                            found[r] = hidden[i + base - first : j]
+                            break
+                i = j
+        wanted = [h for h in found if h is not None]
+        if not wanted:
+            return [None] * len(sequences)
+        with torch.inference_mode():
+            logits = self.model_runner.get_model().compute_logits(torch.cat(wanted))
+        if logits is None:
+            return None
+        rows = logits.to("cpu", torch.float32).contiguous().numpy()
+        out: list[tuple[bytes, tuple[int, int]] | None] = []
+        at = 0
+        for h in found:
+            if h is None:
+                out.append(None)
+                continue
+            part = rows[at : at + len(h)]
+            at += len(h)
+            out.append((part.tobytes(), part.shape))
+        return out
+
     def muser_take_rows(
         self, start: int, tokens: list[int]
     ) -> tuple[int, bytes, tuple[int, int], dict[int, bytes]] | None:
@@ -235,6 +281,9 @@ class VllmBackend(HeldTokens):
         self.device = self._check_device(device)
         self.engine_tokens = 0
         """Positions the engine computed (all requests): the cost the prefix cache saves."""
+        self.engine_calls = 0
+        """Engine steps asked for (`generate` calls): one per evaluate, one per tree when
+        its paths' rows all come from it."""
         self.full_recomputes = 0
         """Requests repeated with the prefix cache bypassed (see the module docstring)."""
         self._tokens: list[int] = []
@@ -353,6 +402,7 @@ class VllmBackend(HeldTokens):
         )
         prompt = TokensPrompt(prompt_token_ids=sequence)
         (out,) = self._llm.generate([prompt], params, use_tqdm=False)
+        self.engine_calls += 1
         self.engine_tokens += len(sequence) - (out.num_cached_tokens or 0)
         replies = self._llm.collective_rpc("muser_take_rows", args=(start, sequence))
         first, data, shape, layers = next(r for r in replies if r is not None)
@@ -375,10 +425,11 @@ class VllmBackend(HeldTokens):
         """A token tree after the held tokens (DESIGN.md §4.1; `TorchBackend.evaluate_tree`'s
         contract, `seq` this backend): `tokens[0]` is the root (the frontier), `tokens[i + 1]`
         node i, whose parent is `parents[i]`. vLLM takes requests, not masks, so each
-        root-to-leaf path is one request over the held tokens plus the path: the prefix
-        cache serves the held blocks (and any full block of a path an earlier one computed),
-        and each request's rows are kept for the entries no earlier path reached. Every row
-        is then the row of its own path, as a linear forward gives it. Float64 logits
+        root-to-leaf path is one request over the held tokens plus the path, all in one
+        engine step (`muser_take_paths` splits its rows by request); the prefix cache serves
+        the held blocks. A path whose rows did not come (a run the worker could not tell
+        apart) goes again alone, keeping the rows of the entries no path reached yet. Every
+        row is the row of its own path, as a linear forward gives it. Float64 logits
         (len(tokens), vocab); the held tokens are unchanged until `keep_path(path)`."""
         from muser_torch.batched import tree_depths
 
@@ -392,11 +443,20 @@ class VllmBackend(HeldTokens):
         rows: list[np.ndarray | None] = [None] * len(ids)
         base = list(self._tokens)
         self._tree = None
+        paths = []
         for leaf in (e for e in range(len(ids)) if e not in has_child):
             path = [leaf]
             while up[path[-1]] >= 0:
                 path.append(up[path[-1]])
-            path.reverse()
+            paths.append(path[::-1])
+        # every path in one engine step; a path whose rows did not come goes alone below
+        for path, got in zip(paths, self._run_paths(base, paths, ids), strict=True):
+            if got is not None:
+                for e, row in zip(path, got, strict=True):
+                    rows[e] = row
+        for path in paths:
+            if all(rows[e] is not None for e in path):
+                continue
             fresh = next(k for k, e in enumerate(path) if rows[e] is None)
             sequence = base + [ids[e] for e in path]
             start = len(base) + fresh
@@ -410,6 +470,28 @@ class VllmBackend(HeldTokens):
                 rows[e] = row
         self._tree = (len(base), ids)
         return np.stack(rows)[:, : self.vocab_size].astype(np.float64)  # type: ignore[arg-type]
+
+    def _run_paths(self, base: list[int], paths: list[list[int]], ids: list[int]):
+        """One engine step over every path (held tokens + the path's tokens): per path its
+        rows from the root on, or None where the worker could not tell them apart."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sequences = [base + [ids[e] for e in path] for path in paths]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=seq) for seq in sequences], params, use_tqdm=False
+        )
+        self.engine_calls += 1
+        self.engine_tokens += sum(
+            len(seq) - (out.num_cached_tokens or 0)
+            for seq, out in zip(sequences, outs, strict=True)
+        )
+        replies = self._llm.collective_rpc("muser_take_paths", args=(len(base), sequences))
+        got = next((r for r in replies if r is not None), [None] * len(paths))
+        return [
+            None if g is None else np.frombuffer(g[0], dtype=np.float32).reshape(g[1]) for g in got
+        ]
 
     def keep_path(self, path: Sequence[int]) -> None:
         """After `evaluate_tree`: hold its root and the nodes of `path` (root's child first)."""
