@@ -138,6 +138,27 @@ def test_tree_paths_whose_rows_did_not_come_go_alone(loaded, monkeypatch) -> Non
     np.testing.assert_allclose(again, together, rtol=0, atol=1e-5)
 
 
+def test_tree_paths_sharing_a_full_block_past_the_held_tokens(loaded, vllm_path) -> None:
+    """Two paths that share root and three nodes after 60 held tokens fill the block
+    [32, 64) alike, so the engine may serve one path's copy of it to the other in the same
+    step (its run then starts at 64): every row still comes from that one step, each the
+    reference row of its own path."""
+    backend = loaded("vllm")
+    transcript = LONG[:61]
+    backend.evaluate(transcript[:-1])
+    parents, tokens = [-1, 0, 1, 2, 2, 3, 4], [11, 12, 13, 21, 22, 31, 41]
+    calls, recomputes = backend.engine_calls, backend.full_recomputes
+    rows = backend.evaluate_tree(backend, [transcript[-1], *tokens], parents)
+    assert backend.engine_calls == calls + 1 and backend.full_recomputes == recomputes
+    for entry in range(1 + len(tokens)):
+        path, e = [], entry
+        while e > 0:
+            path.append(tokens[e - 1])
+            e = parents[e - 1] + 1
+        reference = float64_rows(vllm_path, [*transcript, *reversed(path)])[-1]
+        np.testing.assert_allclose(rows[entry], reference, rtol=0, atol=1e-4, err_msg=f"{entry}")
+
+
 def test_tree_refusals_leave_the_held_tokens(loaded) -> None:
     backend = loaded("vllm")
     backend.evaluate(LONG[:5])

@@ -41,6 +41,16 @@ def probs(row: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def plain_of(tok, torch_target, params: SamplingParams, n: int):
+    """The first `n` natural prompts' ids and torch's plain decode of each."""
+    prompts = [encode(tok, text) for text in natural_prompts(n)]
+    oracles = []
+    for prompt in prompts:
+        torch_target.reset()
+        oracles.append(run_plain(torch_target, prompt, params).tokens)
+    return prompts, oracles
+
+
 def test_greedy_plain_decode_on_vllm_equals_torch(natural) -> None:
     """3 prompts x 256 tokens: identical tokens, every witness row within 1e-4."""
     tok, torch_target, vllm_target, _ = natural
@@ -135,11 +145,7 @@ def test_the_conditioned_draft_on_a_vllm_target_equals_torch_plain(natural, tmp_
     draft_dir = pair_conditioned_draft("toy", progress=False)
     draft = load_draft_backend("conditioned", draft_dir)
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    prompts = [encode(tok, text) for text in natural_prompts(3)]
-    oracles = []
-    for prompt in prompts:
-        torch_target.reset()
-        oracles.append(run_plain(torch_target, prompt, params).tokens)
+    prompts, oracles = plain_of(tok, torch_target, params, 3)
     accepted = 0
     for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
         vllm_target.reset()
@@ -175,11 +181,7 @@ def test_a_tree_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_pat
     tok, torch_target, vllm_target, draft = natural
     pair = build_fixtures(progress=False).natural
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    prompts = [encode(tok, text) for text in natural_prompts(3)]
-    oracles = []
-    for prompt in prompts:
-        torch_target.reset()
-        oracles.append(run_plain(torch_target, prompt, params).tokens)
+    prompts, oracles = plain_of(tok, torch_target, params, 3)
     recomputes = vllm_target.full_recomputes
     for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
         draft.reset()

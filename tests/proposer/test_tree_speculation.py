@@ -84,12 +84,15 @@ def same(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize(
+BOTH = pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=0.0, max_tokens=TOKENS),
      SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=4)],
     ids=["greedy", "sampled"],
 )  # fmt: skip
+
+
+@BOTH
 def test_a_tree_drafted_ahead_is_the_tree_drafted_after_the_result(models, params):  # noqa: F811
     prompts, target, draft = models
     hits = 0
@@ -106,12 +109,7 @@ def test_a_tree_drafted_ahead_is_the_tree_drafted_after_the_result(models, param
     assert hits > 0  # the first branch was taken whole, and its tree used
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=0.0, max_tokens=TOKENS),
-     SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=4)],
-    ids=["greedy", "sampled"],
-)  # fmt: skip
+@BOTH
 def test_a_tree_drafted_on_the_decision_is_the_tree_drafted_after_the_result(
     models,  # noqa: F811
     params,

@@ -136,18 +136,20 @@ class RowCapture:
 
     def muser_take_paths(
         self, base: int, sequences: list[list[int]]
-    ) -> list[tuple[bytes, tuple[int, int]] | None] | None:
+    ) -> list[tuple[int, bytes, tuple[int, int]] | None] | None:
         """After one step of requests that share their first `base` tokens (a token tree's
-        paths): each request's logits of positions [base, len(sequence)) as float32 bytes,
-        or None for a request whose rows cannot be told apart or were not computed from
-        `base` on (the caller evaluates it alone). The forward's rows are split into runs of
-        consecutive positions (each request's scheduled tokens), each run matched to the
-        request whose sequence it ends and spells; a run starting at or before `base` sits
-        on the shared prefix, so its match is the only sequence it can be."""
+        paths): for each request, (first, its logits of positions [first, len(sequence)) as
+        float32 bytes, their shape) with first >= base, or None where none of its rows can be
+        told apart (the caller evaluates it alone). The forward's rows are split into runs of
+        consecutive positions (each request's scheduled tokens); a run is a request's when
+        that request is the only sequence the run ends and spells. A run may start past
+        `base` when the engine served the request's first tree block from another path's
+        (the same tokens after the same prefix: the same tree nodes, whose rows that path
+        brings)."""
         import torch
 
         kept, self._muser_kept = self._muser_kept, []
-        found: list[torch.Tensor | None] = [None] * len(sequences)
+        found: list[tuple[int, torch.Tensor] | None] = [None] * len(sequences)
         for positions, ids, hidden, _ in kept:
             i = 0
             while i < len(positions):
@@ -155,13 +157,17 @@ class RowCapture:
                 while j < len(positions) and positions[j] == positions[j - 1] + 1:
                     j += 1
                 first, end = positions[i], positions[i] + (j - i)
-                if first <= base:
-                    for r, seq in enumerate(sequences):
-                        if found[r] is None and len(seq) == end and seq[first:end] == ids[i:j]:
-                            found[r] = hidden[i + base - first : j]
-                            break
+                spelled = [
+                    r for r, seq in enumerate(sequences)
+                    if len(seq) == end and seq[first:end] == ids[i:j]
+                ]  # fmt: skip
+                whole = {tuple(sequences[r]) for r in spelled}
+                free = [r for r in spelled if found[r] is None]
+                if len(whole) == 1 and free:  # (one sequence, sent once or more)
+                    keep_from = max(first, base)
+                    found[free[0]] = (keep_from, hidden[i + keep_from - first : j])
                 i = j
-        wanted = [h for h in found if h is not None]
+        wanted = [h for _, h in (f for f in found if f is not None)]
         if not wanted:
             return [None] * len(sequences)
         with torch.inference_mode():
@@ -169,15 +175,15 @@ class RowCapture:
         if logits is None:
             return None
         rows = logits.to("cpu", torch.float32).contiguous().numpy()
-        out: list[tuple[bytes, tuple[int, int]] | None] = []
+        out: list[tuple[int, bytes, tuple[int, int]] | None] = []
         at = 0
-        for h in found:
-            if h is None:
+        for f in found:
+            if f is None:
                 out.append(None)
                 continue
-            part = rows[at : at + len(h)]
-            at += len(h)
-            out.append((part.tobytes(), part.shape))
+            part = rows[at : at + len(f[1])]
+            at += len(f[1])
+            out.append((f[0], part.tobytes(), part.shape))
         return out
 
     def muser_take_rows(
@@ -449,10 +455,11 @@ class VllmBackend(HeldTokens):
             while up[path[-1]] >= 0:
                 path.append(up[path[-1]])
             paths.append(path[::-1])
-        # every path in one engine step; a path whose rows did not come goes alone below
+        # every path in one engine step; a path whose rows did not all come goes alone below
         for path, got in zip(paths, self._run_paths(base, paths, ids), strict=True):
             if got is not None:
-                for e, row in zip(path, got, strict=True):
+                first, got_rows = got
+                for e, row in zip(path[first - len(base) :], got_rows, strict=True):
                     rows[e] = row
         for path in paths:
             if all(rows[e] is not None for e in path):
@@ -472,8 +479,9 @@ class VllmBackend(HeldTokens):
         return np.stack(rows)[:, : self.vocab_size].astype(np.float64)  # type: ignore[arg-type]
 
     def _run_paths(self, base: list[int], paths: list[list[int]], ids: list[int]):
-        """One engine step over every path (held tokens + the path's tokens): per path its
-        rows from the root on, or None where the worker could not tell them apart."""
+        """One engine step over every path (held tokens + the path's tokens): per path
+        (first, its rows of positions first.. to its end), or None where the worker could
+        not tell them apart."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -490,7 +498,8 @@ class VllmBackend(HeldTokens):
         replies = self._llm.collective_rpc("muser_take_paths", args=(len(base), sequences))
         got = next((r for r in replies if r is not None), [None] * len(paths))
         return [
-            None if g is None else np.frombuffer(g[0], dtype=np.float32).reshape(g[1]) for g in got
+            None if g is None else (g[0], np.frombuffer(g[1], dtype=np.float32).reshape(g[2]))
+            for g in got
         ]
 
     def keep_path(self, path: Sequence[int]) -> None:
