@@ -143,6 +143,13 @@ _MULTI: dict[type, bool] = {}
 """`batches`' structural answer per backend class."""
 
 
+def trees_on_held(backend: object) -> bool:
+    """Whether `backend` holds one sequence and evaluates token trees on it
+    (`evaluate_tree(backend, ...)`, `keep_path`: vLLM, a request per branch), so tree
+    rounds run on it although its sessions share one KV."""
+    return bool(getattr(backend, "trees_on_held", False))
+
+
 def evaluate_batch(
     backend: object, work: Sequence[tuple[ModelBackend, Sequence[int]]]
 ) -> list[np.ndarray]:

@@ -68,11 +68,10 @@ def session_width(lane: Lane, draft_len: int) -> WidthPolicy:
     lane's — `lane.width` within [draft_len_min, draft_len_max], starting at draft_len.
     Draftless rounds decode `lane.decode_len` tokens (a capturing session's too: each step
     captures its position; on a verifier that does not offer `capture-decode`, one)."""
-    decode_len = lane.decode_len
     if draft_len:
-        return FixedWidth(draft_len, decode_len)
+        return FixedWidth(draft_len, lane.decode_len)
     return width_policy(
-        lane.width, lane.draft_len, lane.draft_len_min, lane.draft_len_max, decode_len
+        lane.width, lane.draft_len, lane.draft_len_min, lane.draft_len_max, lane.decode_len
     )
 
 

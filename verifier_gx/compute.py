@@ -265,8 +265,12 @@ class RoundComputer:
             if isinstance(decoded, Exception):
                 out[i] = decoded
                 continue
-            kept = (jobs[i].state.capture_from, sorted(decoded.captured.items()))
-            out[i] = (decode_decision(decoded, jobs[i].state.mt), kept if captures[i] else (0, []))
+            kept = (
+                (jobs[i].state.capture_from, sorted(decoded.captured.items()))
+                if captures[i]
+                else (0, [])
+            )
+            out[i] = (decode_decision(decoded, jobs[i].state.mt), kept)
 
     def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
         state, request = job.state, job.request

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from muser.backend import ModelBackend, evaluate_batch
+from muser.backend import ModelBackend, evaluate_batch, trees_on_held
 from muser.cursor import KvCursor, owner
 
 
@@ -192,7 +192,7 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
     trees = any(r.tree is not None for r in rounds)
     captures = any(r.capture is not None for r in rounds)
     if any(r.executor.cursor.backend is backend for r in rounds):
-        if trees and not getattr(backend, "trees_on_held", False):
+        if trees and not trees_on_held(backend):
             raise ValueError("a tree round needs a sequence of its own (a KV per session)")
         return [
             r.executor.witness_logits(r.transcript, r.drafts, r.capture)

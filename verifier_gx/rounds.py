@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from muser import faults, keys
+from muser.backend import trees_on_held
 from muser.errors import (
     EquivocationError,
     HeadMismatchError,
@@ -104,7 +105,7 @@ class Rounds:
         self.max_tree_nodes = max_tree_nodes
         """The most nodes one tree round may carry (lane.tree_nodes; 0: chains only)."""
         self.judges_trees = bool(max_tree_nodes) and hasattr(backend, "evaluate_tree")
-        self.judges_trees &= kv.per_session or getattr(backend, "trees_on_held", False)
+        self.judges_trees &= kv.per_session or trees_on_held(backend)
         """Whether tree rounds are judged here (DESIGN.md §4.1): the lane drafts trees and the
         target evaluates one on a session's own KV (torch) or on the one sequence it holds,
         a request per branch (vLLM: `trees_on_held`); another shared KV (fakes) takes chains

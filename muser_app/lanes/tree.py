@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from muser.backend import ModelBackend
+from muser.backend import ModelBackend, trees_on_held
 from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K, clip_emission
 from muser.sampling import SamplingParams, draft_row, target_probs
@@ -77,7 +77,7 @@ def run_local_tree(
     row_params = dataclasses.replace(params, temperature=1.0) if params.greedy else params
     stats = LaneStats(tree_shape=policy.to_dict().get("shape"))
     rows: dict = {}
-    if getattr(target, "trees_on_held", False):  # vLLM: its one held sequence, emptied
+    if trees_on_held(target):  # vLLM: its one held sequence, emptied
         t_seq = target
         target.reset()
     else:

@@ -88,6 +88,18 @@ TREE_PARENTS = [-1, -1, -1, 0, 0, 3, 1, 6, 7]  # three root children, four leave
 TREE_TOKENS = [11, 12, 13, 21, 22, 31, 41, 51, 61]
 
 
+def each_row_is_its_paths(rows, path_to_model, transcript, tokens, parents) -> None:
+    """Each tree row (0: the root, i + 1: node i) is the float64 reference's row after the
+    transcript and that entry's own path."""
+    for entry in range(1 + len(tokens)):
+        path, e = [], entry
+        while e > 0:
+            path.append(tokens[e - 1])
+            e = parents[e - 1] + 1
+        reference = float64_rows(path_to_model, [*transcript, *reversed(path)])[-1]
+        np.testing.assert_allclose(rows[entry], reference, rtol=0, atol=1e-4, err_msg=f"{entry}")
+
+
 def test_a_token_tree_gives_each_node_its_own_paths_row(loaded, vllm_path) -> None:
     """issue 33: a tree after a 70-token transcript, a request per root-to-leaf path over
     the prefix cache, all in one engine step. Every row (root and nodes) is the float64
@@ -104,13 +116,7 @@ def test_a_token_tree_gives_each_node_its_own_paths_row(loaded, vllm_path) -> No
     assert backend.length == 69 and backend.full_recomputes == 0
     leaves = 4  # nodes 2, 4, 5 and 8: per path a partial block and the path, never the context
     assert backend.engine_tokens - before <= leaves * (backend.block_size - 1 + 5)
-    for entry in range(1 + len(TREE_TOKENS)):
-        path, e = [], entry
-        while e > 0:
-            path.append(TREE_TOKENS[e - 1])
-            e = TREE_PARENTS[e - 1] + 1
-        reference = float64_rows(vllm_path, [*transcript, *reversed(path)])[-1]
-        np.testing.assert_allclose(rows[entry], reference, rtol=0, atol=1e-4, err_msg=f"{entry}")
+    each_row_is_its_paths(rows, vllm_path, transcript, TREE_TOKENS, TREE_PARENTS)
     backend.keep_path([1, 6, 7])  # root, 12, 41, 51
     kept = [*transcript, 12, 41, 51]
     assert backend.length == len(kept)
@@ -150,13 +156,7 @@ def test_tree_paths_sharing_a_full_block_past_the_held_tokens(loaded, vllm_path)
     calls, recomputes = backend.engine_calls, backend.full_recomputes
     rows = backend.evaluate_tree(backend, [transcript[-1], *tokens], parents)
     assert backend.engine_calls == calls + 1 and backend.full_recomputes == recomputes
-    for entry in range(1 + len(tokens)):
-        path, e = [], entry
-        while e > 0:
-            path.append(tokens[e - 1])
-            e = parents[e - 1] + 1
-        reference = float64_rows(vllm_path, [*transcript, *reversed(path)])[-1]
-        np.testing.assert_allclose(rows[entry], reference, rtol=0, atol=1e-4, err_msg=f"{entry}")
+    each_row_is_its_paths(rows, vllm_path, transcript, tokens, parents)
 
 
 def test_tree_refusals_leave_the_held_tokens(loaded) -> None:
