@@ -246,6 +246,20 @@ def tree_depth(parents: Sequence[int]) -> int:
     return max(depth, default=0)
 
 
+def tree_depths(parents: Sequence[int], width: int) -> list[int]:
+    """Depth of each block entry (0: the root) of a tree with `width` entries (root and
+    nodes); refuses parents that are not -1 or an earlier node."""
+    if len(parents) != width - 1:
+        raise ValueError(f"a tree of {width} tokens (root and nodes) has {width - 1} parents, "
+                         f"got {len(parents)}")  # fmt: skip
+    depths = [0]
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i}: parent {parent} is not -1 (the root) or an earlier node")
+        depths.append(depths[parent + 1] + 1)
+    return depths
+
+
 def shape_nodes(branching: Sequence[int]) -> int:
     """Most nodes a tree of this shape (children per position at each depth) holds."""
     total, level = 0, 1

@@ -44,12 +44,12 @@ from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import CaptureLayerError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import model_identity
+from muser.tree import tree_depths
 from muser_torch.batched import (
     BatchKv,
     TorchSequence,
     batch_inputs,
     mixed_inputs,
-    tree_depths,
     tree_inputs,
 )
 
@@ -290,24 +290,12 @@ class TorchBackend(HeldTokens):
         live = [i for i, new in enumerate(ids) if new]
         if not live:
             return out, [{i: self._no_rows() for i in wanted} for wanted in layers]
-        torch = self._torch
         wanted = sorted({i for j in live for i in layers[j]})
         seqs, ids = [seqs[i] for i in live], [ids[i] for i in live]
         counts = [len(x) for x in ids]
         cache = BatchKv(seqs, counts)
         rows, positions, mask = self._inputs(seqs, ids, counts, cache.total)
-        captured: dict[int, Any] = dict.fromkeys(wanted)
-        if self._lean is not None:  # the lean forward keeps the layers' outputs itself
-            logits = self._logits(rows, positions, mask, cache, keep=captured)
-        else:
-            hooks = [self._hook(i, captured) for i in wanted]
-            try:
-                logits = self._logits(rows, positions, mask, cache)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-        logits = logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
-        hidden = {i: h.to("cpu", torch.float32).numpy() for i, h in captured.items()}
+        logits, hidden = self._capturing(rows, positions, mask, cache, wanted)
         for seq, x in zip(seqs, ids, strict=True):
             seq._commit(x)
         for j, i in enumerate(live):
@@ -328,19 +316,16 @@ class TorchBackend(HeldTokens):
         it is the row a linear forward of its path would give, within float rounding.
         Returns float64 logits (len(tokens), vocab); the block's KV is held after `seq`'s
         length until `seq.keep_path` keeps the accepted path (nothing else reads it)."""
-        if not isinstance(seq, TorchSequence) or seq.owner is not self:
-            raise TypeError(f"{seq!r} is not a sequence of this backend")
-        ids = check_tokens(tokens, self.vocab_size)
-        depths = tree_depths(parents, len(ids))
-        check_room(seq.length, max(depths) + 1, self.geometry.context_length)
-        torch = self._torch
-        cache = BatchKv([seq], [len(ids)])
-        rows, positions, mask = tree_inputs(
-            torch, seq.length, ids, parents, depths, self._mask_dtype, self._mask_lowest
-        )
-        logits = self._logits(rows, positions, mask, cache)
-        seq._hold_block(ids)
-        return logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        return self.evaluate_mixed([(seq, tokens, parents)])[0]
+
+    def evaluate_tree_capture(
+        self, seq: TorchSequence, tokens: Sequence[int], parents: Sequence[int],
+        layers: Sequence[int],
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:  # fmt: skip
+        """`evaluate_tree`, plus the float32 (len(tokens), hidden) output of each of `layers`
+        at every block entry (`evaluate_capture`'s rows): a capturing session's tree round,
+        whose committed rows are the root's and the accepted path's."""
+        return self.evaluate_mixed_capture([(seq, tokens, parents, layers)])[0]
 
     def evaluate_mixed(
         self, work: Sequence[tuple[TorchSequence, Sequence[int], Sequence[int] | None]]
@@ -350,37 +335,73 @@ class TorchBackend(HeldTokens):
         after it (`tokens[0]` the root, as `evaluate_tree`: its block held until
         `seq.keep_path`). The verifier batches tree rounds with other sessions' chains so.
         Float64 logits per sequence; a failed forward leaves every sequence as it was."""
-        seqs = [seq for seq, _, _ in work]
+        return [rows for rows, _ in self.evaluate_mixed_capture([(*w, ()) for w in work])]
+
+    def evaluate_mixed_capture(
+        self,
+        work: Sequence[tuple[TorchSequence, Sequence[int], Sequence[int] | None, Sequence[int]]],
+    ) -> list[tuple[np.ndarray, dict[int, np.ndarray]]]:
+        """`evaluate_mixed` of `(seq, tokens, parents, layers)`, plus each entry's float32
+        (len(tokens), hidden) output of its own `layers` (a tree's at every block entry):
+        capturing sessions' chains and trees in the same forward as the others'."""
+        seqs = [w[0] for w in work]
         for seq in seqs:
             if not isinstance(seq, TorchSequence) or seq.owner is not self:
                 raise TypeError(f"{seq!r} is not a sequence of this backend")
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
-        ids = [check_tokens(tokens, self.vocab_size) for _, tokens, _ in work]
+        ids = [check_tokens(w[1], self.vocab_size) for w in work]
         if any(not x for x in ids):
             raise ValueError("every sequence of a mixed batch evaluates at least one token")
+        parents = [w[2] for w in work]
+        layers = [self._check_layers(w[3]) for w in work]
         depths = [
-            None if parents is None else tree_depths(parents, len(x))
-            for x, (_, _, parents) in zip(ids, work, strict=True)
+            None if p is None else tree_depths(p, len(x)) for x, p in zip(ids, parents, strict=True)
         ]
         for seq, x, d in zip(seqs, ids, depths, strict=True):
             check_room(
                 seq.length, len(x) if d is None else max(d) + 1, self.geometry.context_length
             )
-        torch = self._torch
         cache = BatchKv(seqs, [len(x) for x in ids])
-        parents = [p for _, _, p in work]
-        rows, positions, mask = mixed_inputs(
-            torch, seqs, ids, parents, depths, cache.total, self._mask_dtype, self._mask_lowest
-        )
-        logits = self._logits(rows, positions, mask, cache)
-        logits = logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        if len(work) == 1 and parents[0] is not None:
+            rows, positions, mask = tree_inputs(
+                self._torch, seqs[0].length, ids[0], parents[0], depths[0], self._mask_dtype,
+                self._mask_lowest,
+            )  # fmt: skip
+        else:
+            rows, positions, mask = mixed_inputs(
+                self._torch, seqs, ids, parents, depths, cache.total, self._mask_dtype,
+                self._mask_lowest,
+            )  # fmt: skip
+        wanted = sorted({i for w in layers for i in w})
+        logits, hidden = self._capturing(rows, positions, mask, cache, wanted)
         for seq, x, p in zip(seqs, ids, parents, strict=True):
             if p is None:
                 seq._commit(x)
             else:
                 seq._hold_block(x)
-        return [logits[j, : len(x)] for j, x in enumerate(ids)]
+        return [
+            (logits[j, : len(x)], {i: hidden[i][j, : len(x)] for i in layers[j]})
+            for j, x in enumerate(ids)
+        ]
+
+    def _capturing(self, rows, positions, mask, cache: BatchKv, wanted: Sequence[int]):
+        """`_logits`, as float64 numpy (B, W, vocab), and the float32 (B, W, hidden) output
+        of each decoder layer in `wanted`: the lean forward keeps them itself, the
+        transformers one through hooks."""
+        torch = self._torch
+        captured: dict[int, Any] = dict.fromkeys(wanted)
+        if self._lean is not None:
+            logits = self._logits(rows, positions, mask, cache, keep=captured)
+        else:
+            hooks = [self._hook(i, captured) for i in wanted]
+            try:
+                logits = self._logits(rows, positions, mask, cache)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        logits = logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        return logits, {i: h.to("cpu", torch.float32).numpy() for i, h in captured.items()}
 
     def _logits(self, rows, positions, mask, cache: BatchKv, keep: dict | None = None):
         """One forward of token `rows` at `positions` under the additive `mask` (B, W, T),

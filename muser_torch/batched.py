@@ -276,20 +276,6 @@ def mixed_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]],
     return torch.from_numpy(rows), torch.from_numpy(positions), mask
 
 
-def tree_depths(parents: Sequence[int], width: int) -> list[int]:
-    """Depth of each block entry (0: the root) of a tree with `width` entries (root and
-    nodes); refuses parents that are not -1 or an earlier node."""
-    if len(parents) != width - 1:
-        raise ValueError(f"a tree of {width} tokens (root and nodes) has {width - 1} parents, "
-                         f"got {len(parents)}")  # fmt: skip
-    depths = [0]
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"node {i}: parent {parent} is not -1 (the root) or an earlier node")
-        depths.append(depths[parent + 1] + 1)
-    return depths
-
-
 def tree_inputs(torch, length: int, ids: list[int], parents: Sequence[int], depths: list[int],
                 mask_dtype, mask_lowest):  # fmt: skip
     """A tree block's token row (1, W), positions (1, W) (length + depth) and additive mask

@@ -117,6 +117,16 @@ class DriverContext:
                 f"its tree policy: {s.tree.to_dict()}): use the same cluster file on both "
                 "daemons, or set lane.tree_nodes = 0",
             )
+        if s.tree is not None and s.open.capture_layers and "capture-trees" not in reply.features:
+            raise RoundRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "tree_rounds_unsupported",
+                f"the verifier at {member.address} judges trees but captures the rows of chains "
+                f"only (features {list(reply.features)}: a vLLM target, or a verifier from "
+                f"before session 33); this session captures layers "
+                f"{list(s.open.capture_layers)} and drafts trees (lane.tree_nodes): serve the "
+                "target on torch, or set lane.tree_nodes = 0",
+            )
         fit_decode(s, reply.features)
         s.signer = reply.verifier_key_id
         if reply.resumed:

@@ -337,7 +337,7 @@ class ProposerCore:
                 session_width(self.config.lane, js.draft_len),
             )
             session.homes = list(js.homes)
-            session.tree = session_tree(self.config.lane, js.draft_len, js.open.capture_layers)
+            session.tree = session_tree(self.config.lane, js.draft_len)
             for signed in js.committed:
                 result = RoundResult.decode(signed.body)
                 session.apply(result)
@@ -445,7 +445,7 @@ class ProposerCore:
             self.capture_layers,
             width=session_width(lane, draft_len),
         )
-        session.tree = session_tree(lane, draft_len, self.capture_layers)
+        session.tree = session_tree(lane, draft_len)
         left = asyncio.Event()
         opening = asyncio.ensure_future(self._open(session, prompt, draft_len, left, detached))
         try:

@@ -59,7 +59,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from muser.backend import ModelBackend, MultiSequenceBackend, batches
+from muser.backend import ModelBackend, MultiSequenceBackend, batches, trees_on_held
 from muser.cursor import KvCursor, set_owner
 from muser.errors import RefusedError
 from muser.mt19937 import Mt19937
@@ -277,16 +277,17 @@ class Drafter:
     ):
         cursor = self.cursor
         seq = cursor.backend
-        owner = getattr(seq, "owner", None)
+        # a torch draft's sequence is evaluated by its backend; a conditioned draft by itself
+        owner = seq if trees_on_held(seq) else getattr(seq, "owner", None)
         if hasattr(seq, "candidates"):  # prompt lookup: rows from the tokens alone
             return self._lookup_tree(transcript, state, branching)
         if not hasattr(owner, "evaluate_tree"):
             raise RefusedError(
                 f"a tree round needs a draft that evaluates token trees on a sequence of its "
-                f"own (a torch draft) or prompt lookup; {type(seq).__name__} is neither (set "
-                "lane.tree_nodes = 0)"
+                f"own (a torch or conditioned draft) or prompt lookup; {type(seq).__name__} is "
+                "neither (set lane.tree_nodes = 0)"
             )
-        if not branching:
+        if not branching or not getattr(seq, "ready", True):  # (a conditioned draft's rows)
             return Draft([], [])
         frontier, greedy = int(transcript[-1]), self.params.greedy
         # greedy children are the row's largest weights: rows at T = 1, as wide as the most

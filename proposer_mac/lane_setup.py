@@ -51,14 +51,13 @@ def session_capture_layers(lane: Lane, draft) -> tuple[int, ...]:
     return own or tuple(lane.capture_layers)
 
 
-def session_tree(lane: Lane, draft_len: int, capture_layers=()) -> TreePolicy | None:
+def session_tree(lane: Lane, draft_len: int) -> TreePolicy | None:
     """A session's tree policy (`muser.tree_width`): trees of lane.tree_nodes nodes, as deep
     as the D it asked for (or lane.draft_len), in the budget's shape (lane.width "fixed") or
-    learning among shapes (lane.width "adaptive"); None (chains) without a budget, without a
-    depth, or when the session captures hidden rows (its rounds' rows are those of one
-    committed path)."""
+    learning among shapes (lane.width "adaptive"); None (chains) without a budget or without
+    a depth. A capturing session's trees need a verifier that offers `capture-trees`."""
     depth = draft_len or lane.draft_len
-    if not lane.tree_nodes or capture_layers or depth < 1:
+    if not lane.tree_nodes or depth < 1:
         return None
     return tree_policy(lane.width, lane.tree_nodes, min(depth, lane.tree_nodes), lane.decode_len)
 

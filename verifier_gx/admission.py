@@ -230,23 +230,29 @@ def check_drafts(
 
 
 def check_tree(
-    state: SessionState, request: RoundRequest, vocab: int, max_nodes: int, judges_trees: bool
+    state: SessionState,
+    request: RoundRequest,
+    vocab: int,
+    max_nodes: int,
+    judges_trees: bool,
+    captures_trees: bool = False,
 ) -> None:
     """A tree round (DESIGN.md §4.1): judged here at all, its topology and rows well formed
     (`muser.tree.validate_request`: cycles, orphans, duplicate siblings, too many nodes, rows
     that do not fit), deep enough for nothing past what the session may still emit, and the
     drafting draws replayed (`muser.tree.replay_tree`). At most `max_nodes`
-    (lane.tree_nodes) nodes."""
+    (lane.tree_nodes) nodes; a capturing session's only where `captures_trees`."""
     sid = short(state.session_id)
     if not judges_trees:
         raise TreeUnsupportedError(
             f"a tree round received for session {sid}; this verifier judges chains only "
             "(trees need lane.tree_nodes > 0 and a torch target with a KV per session)"
         )
-    if state.open.capture_layers:
+    if state.open.capture_layers and not captures_trees:
         raise TreeUnsupportedError(
             f"a tree round received for session {sid}, which captures layers "
-            f"{list(state.open.capture_layers)}: capturing sessions send chains"
+            f"{list(state.open.capture_layers)}; this verifier captures the rows of chains "
+            "only (a capturing tree round needs a torch target with a KV per session)"
         )
     if request.decode_len != 1:
         raise DecodeLengthError(f"a tree round decodes nothing more: decode_len must be 1, got "

@@ -32,6 +32,8 @@ class CaptureTap:
         self.layers = tuple(int(i) for i in layers)
         width = backend.geometry.hidden_size
         self._rows = {i: np.zeros((0, width), np.float32) for i in self.layers}
+        self._block: dict[int, np.ndarray] = {}
+        """A tree's rows per layer, every entry's, until `keep_path`."""
 
     @property
     def identity(self) -> ModelIdentity:
@@ -52,15 +54,43 @@ class CaptureTap:
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         first = self.backend.length
         logits, captured = self.backend.evaluate_capture(tokens, self.layers)
-        end = first + len(logits)
+        self._store(first, captured)
+        return logits
+
+    def _store(self, first: int, captured: dict[int, np.ndarray]) -> None:
         for layer, rows in captured.items():
-            kept = self._rows[layer]
+            end, kept = first + len(rows), self._rows[layer]
             if len(kept) < end:
                 grown = np.zeros((max(end, 2 * len(kept)), kept.shape[1]), np.float32)
                 grown[: len(kept)] = kept
                 self._rows[layer] = kept = grown
             kept[first:end] = rows
+
+    @property
+    def trees_on_held(self) -> bool:
+        """Over a torch target's sequence (`TorchSequence`) the tap evaluates token trees on
+        it (`evaluate_tree(tap, ...)`, `keep_path`), keeping the root's and the kept path's
+        rows: the local tree lane with a conditioned draft."""
+        return hasattr(getattr(self.backend, "owner", None), "evaluate_tree_capture")
+
+    def evaluate_tree(
+        self, seq: CaptureTap, tokens: Sequence[int], parents: Sequence[int]
+    ) -> np.ndarray:
+        """`TorchBackend.evaluate_tree` on the tapped sequence, every entry's rows held
+        until `keep_path` keeps the root's and the path's."""
+        if seq is not self or not self.trees_on_held:
+            raise TypeError("a capture tap evaluates trees on the torch sequence it taps")
+        logits, self._block = self.backend.owner.evaluate_tree_capture(
+            self.backend, tokens, parents, self.layers
+        )
         return logits
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        first = self.backend.length
+        self.backend.keep_path(path)
+        at = [0, *(i + 1 for i in path)]
+        self._store(first, {layer: rows[at] for layer, rows in self._block.items()})
+        self._block = {}
 
     def rollback(self, n: int) -> None:
         self.backend.rollback(n)

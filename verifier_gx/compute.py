@@ -159,10 +159,11 @@ class RoundComputer:
         logits: dict[int, np.ndarray] = {}
         captured: dict[int, dict[int, np.ndarray]] = {}
         captures = [self._capture(job) for job in jobs]
-        # capturing rounds share the forward where the backend captures per sequence and no
-        # tree is in it (its mask is a tree's); else each goes alone, as it did
-        in_batch = hasattr(self.backend, "evaluate_batch_capture") and not any(
-            job.request.is_tree for job in jobs
+        # capturing rounds share the forward where the backend captures per sequence (beside
+        # a tree: under its mask, `evaluate_mixed_capture`); else each chain goes alone
+        in_batch = hasattr(self.backend, "evaluate_batch_capture") and (
+            hasattr(self.backend, "evaluate_mixed_capture")
+            or not any(job.request.is_tree for job in jobs)
         )
         batched, decoding = [], []
         for i, (job, ex) in enumerate(zip(jobs, executors, strict=True)):
@@ -172,7 +173,7 @@ class RoundComputer:
                 self.stats.kv_rebuilt_tokens += len(transcript) - 1 - held
             if job.request.decode_len > 1:  # a decode round: its steps depend on each other
                 decoding.append(i)
-            elif captures[i] is None or in_batch:
+            elif captures[i] is None or in_batch or job.request.is_tree:
                 batched.append(i)
             else:
                 try:
@@ -280,7 +281,13 @@ class RoundComputer:
             decision = judge_tree(state.mt, request.frontier, tree, witness,
                                   greedy=state.params.greedy, max_nodes=tree.size)  # fmt: skip
             ex.keep_tree_path(request.frontier, tree, decision.path, logits)
-            return decision, (state.capture_from, [])
+            # the rows not sent yet before the frontier, the frontier's, the accepted path's
+            before = len(state.transcript) - 1 - state.capture_from
+            at = [*range(before + 1), *(before + 1 + i for i in decision.path)]
+            return decision, (
+                state.capture_from,
+                [(layer, captured[layer][at]) for layer in sorted(captured)],
+            )
         decision: RoundDecision = judge_round(
             state.mt,
             request.frontier,

@@ -12,7 +12,9 @@ every round's [f, drafts] goes through one forward when the backend batches sequ
 A capturing session's round (muser.capture) evaluates again, from the first position whose
 rows the proposer has not been sent (`capture_from`), and keeps its capture layers' rows
 from there (`TargetExecutor.captured`): in the batch's forward where the backend captures
-per sequence (`evaluate_batch_capture`), else alone.
+per sequence (`evaluate_batch_capture`), else alone. A capturing tree round keeps the rows
+of every block entry after those (`prepare_tree`, `keep_tree_captured`): the judge picks the
+root's and the accepted path's.
 
 Lookahead: before a round's request arrives, the proposer may name the tokens it drafted for
 it (a `Lookahead` hint). `look_ahead` evaluates [f, drafts] after the transcript then, while
@@ -154,6 +156,34 @@ class TargetExecutor:
         again = [int(t) for t in kept[start:]]
         return len(kept) - reused, [*again, int(transcript[-1]), *(int(d) for d in drafts)]
 
+    def prepare_tree(self, transcript: Sequence[int], tree, capture: Capture | None) -> list[int]:
+        """Hold transcript[:-1] for a tree round; return its block [frontier, *nodes]. A
+        capturing round whose rows start before its frontier (`capture.first`: a session's
+        first round since an open, or after an eviction) evaluates those positions first, in
+        a forward of their own, their rows kept for `keep_tree_captured`."""
+        self.captured = {}
+        block = [int(transcript[-1]), *(int(t) for t in tree.tokens)]
+        if capture is None or capture.first >= len(transcript) - 1:
+            self.prepare(transcript, ())
+            return block
+        _, again = self.prepare(transcript, (), redo_from=capture.first)
+        again = again[:-1]  # (the frontier is the block's root)
+        rows, captured = self.cursor.backend.evaluate_capture(again, capture.layers)
+        self.cursor.record(again, rows)
+        skip = capture.first - (len(transcript) - 1 - len(again))
+        self.captured = {layer: c[skip:] for layer, c in captured.items()}
+        return block
+
+    def keep_tree_captured(self, block_rows: dict[int, np.ndarray]) -> None:
+        """After a capturing tree round's forward: `captured` holds, per layer, the rows from
+        `capture.first` up to the frontier (`prepare_tree`), then every block entry's (root
+        first); `tree_captured` picks the committed ones once the path is known."""
+        self.captured = {
+            layer: np.concatenate([self.captured[layer], rows]) if layer in self.captured
+            else rows
+            for layer, rows in block_rows.items()
+        }  # fmt: skip
+
     def witness_tree(self, transcript: Sequence[int], tree) -> np.ndarray:
         """A tree round alone on a backend that evaluates trees on the sequence it holds
         (`trees_on_held`: vLLM): hold transcript[:-1], then the frontier and the nodes; the
@@ -185,7 +215,8 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
     all share `backend` itself, which then runs them in turn). A tree round's frontier and
     nodes go in the same forward (`evaluate_mixed`: each node sees its ancestors), their
     block held until `keep_tree_path`; capturing rounds go in it with their own layers
-    (`evaluate_batch_capture`; not beside a tree)."""
+    (`evaluate_batch_capture`, or `evaluate_mixed_capture` beside a tree: a capturing tree
+    round keeps every block entry's rows, `keep_tree_captured`)."""
     if not rounds:
         return []
     rounds = [Witness(*r) for r in rounds]
@@ -194,14 +225,14 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
     if any(r.executor.cursor.backend is backend for r in rounds):
         if trees and not trees_on_held(backend):
             raise ValueError("a tree round needs a sequence of its own (a KV per session)")
+        if any(r.tree is not None and r.capture is not None for r in rounds):
+            raise ValueError("a capturing tree round needs a sequence of its own (torch)")
         return [
             r.executor.witness_logits(r.transcript, r.drafts, r.capture)
             if r.tree is None
             else r.executor.witness_tree(r.transcript, r.tree)
             for r in rounds
         ]
-    if trees and captures:
-        raise ValueError("a tree round and a capturing round go in separate forwards")
     ahead = [
         r.executor.take_ahead(r.transcript, r.drafts, r.capture)
         if r.tree is None
@@ -212,18 +243,23 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
         rest = [r for r, a in zip(rounds, ahead, strict=True) if a is None]
         made = iter(witness_batch(backend, rest))
         return [a if a is not None else next(made) for a in ahead]
-    work = [
-        (
-            r.executor.cursor.backend,
-            r.executor.prepare(r.transcript, r.drafts, r.capture and r.capture.first)[1],
-            None if r.tree is None else r.tree.parents,
-            () if r.capture is None else r.capture.layers,
-        )
-        for r in rounds
-    ]
     try:
+        work = [
+            (
+                r.executor.cursor.backend,
+                r.executor.prepare(r.transcript, r.drafts, r.capture and r.capture.first)[1]
+                if r.tree is None
+                else r.executor.prepare_tree(r.transcript, r.tree, r.capture),
+                None if r.tree is None else r.tree.parents,
+                () if r.capture is None else r.capture.layers,
+            )
+            for r in rounds
+        ]
         captured: list[dict] = [{} for _ in rounds]
-        if trees:
+        if trees and captures:
+            got = backend.evaluate_mixed_capture(work)  # type: ignore[attr-defined]
+            rows, captured = [g[0] for g in got], [g[1] for g in got]
+        elif trees:
             rows = backend.evaluate_mixed([w[:3] for w in work])  # type: ignore[attr-defined]
         elif captures:
             got = backend.evaluate_batch_capture(  # type: ignore[attr-defined]
@@ -243,6 +279,9 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
             ex.cursor.record(tokens, rows_r)
         if r.capture is None:
             ex.captured = {}
+            out.append(rows_r)
+        elif parents is not None:
+            ex.keep_tree_captured(kept)
             out.append(rows_r)
         else:
             out.append(ex.keep_captured(r.transcript, r.drafts, r.capture, tokens, rows_r, kept))

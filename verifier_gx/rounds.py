@@ -110,6 +110,10 @@ class Rounds:
         target evaluates one on a session's own KV (torch) or on the one sequence it holds,
         a request per branch (vLLM: `trees_on_held`); another shared KV (fakes) takes chains
         only."""
+        self.captures_trees = self.judges_trees and kv.per_session
+        self.captures_trees &= hasattr(backend, "evaluate_mixed_capture")
+        """Whether a capturing session's tree rounds are judged here: the target keeps every
+        block entry's capture rows in the tree's forward (torch, a KV per session)."""
         self.computer = RoundComputer(backend, kv, signing_key, stats, clock, on_target)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
             self._decide_and_commit,
@@ -168,7 +172,8 @@ class Rounds:
             check_closure(state, request, sessions.fragments)
             vocab = sessions.target.vocab_size
             if request.is_tree:
-                check_tree(state, request, vocab, self.max_tree_nodes, self.judges_trees)
+                check_tree(state, request, vocab, self.max_tree_nodes, self.judges_trees,
+                           self.captures_trees)  # fmt: skip
             else:
                 check_drafts(state, request, vocab, self.max_drafts)
             check_decode(state, request, self.max_decode_len)

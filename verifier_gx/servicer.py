@@ -214,6 +214,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             features=[
                 *(["tree-rounds"] if self.manager.rounds.judges_trees else []),
                 "capture-decode",
+                *(["capture-trees"] if self.manager.rounds.captures_trees else []),
             ],  # fmt: skip
         )
 

@@ -13,7 +13,13 @@ Per round, after the frontier f:
 A round emits the accepted path and the next frontier: `tokens_per_round` in the stats is
 tokens per target call. A round with no room for a draft (one token left) is a plain step.
 The target must evaluate trees (torch backends do); the draft too, or be the n-gram draft,
-whose rows are its lookup candidates (`NgramDraft.candidates`: no forward at all)."""
+whose rows are its lookup candidates (`NgramDraft.candidates`: no forward at all).
+
+A feature-conditioned draft (`proposer_mac.backends.conditioned`) drafts its trees on its
+own sequence, each node reading its parent's output row; the target goes through a
+`CaptureTap` that keeps the root's and the accepted path's capture rows, handed to the draft
+after every round. As in the local lane, its first round (no rows yet) is a plain step, and
+it reads what a round committed at the start of the next tree, with the target's rows."""
 
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from muser.tree import Tree, draft_tree, judge_tree, per_path, tree_depth
 from muser.tree_width import FixedTree, TreePolicy
 from muser.verify import judge_round
 from muser_app.lanes.result import GenerationResult
+from verifier_gx.capture import CaptureTap
 
 
 def parse_branching(text: str) -> list[int]:
@@ -62,6 +69,15 @@ def run_local_tree(
     each emitted token, the target's row it was judged or sampled from (float64 logits; what
     qualification compares with plain decode's)."""
     lookup = hasattr(draft, "candidates")  # the n-gram draft
+    conditioned = hasattr(draft, "install_features")
+    if conditioned:  # the target through a tap that keeps the committed positions' rows
+        draft.check_target(target.identity, "local tree lane")
+        if not hasattr(target, "evaluate_tree_capture"):
+            raise ValueError(
+                f"the tree lane with a conditioned draft needs a target that captures a tree's "
+                f"rows (torch); {type(target).__name__} does not"
+            )
+        target = CaptureTap(target.sequence(), draft.capture_layers)
     for name, backend in (("target", target), *(() if lookup else (("draft", draft),))):
         if not hasattr(backend, "evaluate_tree"):
             raise ValueError(
@@ -82,16 +98,18 @@ def run_local_tree(
         target.reset()
     else:
         t_seq = target.sequence()
-    d_seq = draft.fork() if lookup else draft.sequence()
+    d_seq = draft.fork() if lookup or conditioned else draft.sequence()
+    d_eval = d_seq if conditioned else draft  # (a conditioned draft evaluates on itself)
     if len(prompt) > 1:
         t_seq.evaluate(list(prompt[:-1]))
-        d_seq.evaluate(list(prompt[:-1]))
+        if not conditioned:  # (it reads the prompt once it has the target's rows)
+            d_seq.evaluate(list(prompt[:-1]))
     rng = Mt19937.from_seed(params.seed)
     frontier, out = int(prompt[-1]), []
     block = [0]  # nodes in the draft's last tree block
 
     def forward_rows(parents: list[int], tokens: list[int], positions: list[int]):
-        logits = draft.evaluate_tree(d_seq, [frontier, *tokens], parents)
+        logits = d_eval.evaluate_tree(d_seq, [frontier, *tokens], parents)
         block[0] = len(tokens)
         return [draft_row(logits[v], row_params, q_top_k) for v in positions]
 
@@ -102,12 +120,17 @@ def run_local_tree(
     while True:
         t0 = time.perf_counter()
         shape = policy.choose(params.max_tokens - len(out))
+        if conditioned:  # before the first round's rows it drafts nothing (local.py's note)
+            shape = shape if d_seq.ready else []
+            held = [*prompt, *out][d_seq.length : -1]  # what it has not read yet
+            if shape and held:
+                d_seq.evaluate(held)
         tree = draft_tree(rng.copy(), shape, rows_at, params.greedy) if shape else None
         t1 = time.perf_counter()
         if tree is None or tree.size == 0:  # a plain step: the bonus from the frontier's row
             logits = t_seq.evaluate([frontier])
             witness = target_probs(logits, params)
-            if not lookup:
+            if not lookup and not conditioned:
                 d_seq.evaluate([frontier])
             decision = judge_round(rng, frontier, [], [], witness, greedy=params.greedy)
             emitted, accepted, nodes, judged_at = [decision.next_frontier], 0, 0, [0]
@@ -118,12 +141,17 @@ def run_local_tree(
                 rng, frontier, tree, witness, greedy=params.greedy, max_nodes=tree.size
             )
             t_seq.keep_path(decision.path)
-            if not lookup:
+            if conditioned:  # its path nodes read its own rows: read again with the target's
+                d_seq.keep_path([])
+            elif not lookup:
                 _keep_draft(d_seq, tree, decision.path, block[0])
             emitted, accepted, nodes = decision.emitted(tree), decision.accepted, tree.size
             judged_at = [0, *(i + 1 for i in decision.path)]  # each emitted token's row
         if lookup:  # it holds the transcript but the new frontier
             d_seq.evaluate([frontier, *emitted[:-1]])
+        if conditioned:  # the rows of the positions the round committed
+            d_seq.install_features(d_seq.features_known,
+                                   target.rows(d_seq.features_known, target.length))  # fmt: skip
         rng = decision.post_state
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0

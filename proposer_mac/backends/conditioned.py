@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,7 @@ from muser.backend import Geometry, HeldTokens, ModelIdentity
 from muser.errors import InvalidOverrideError, ModelLoadError, RefusedError
 from muser.geometry import check_rollback, check_room, check_tokens
 from muser.identity import model_identity
+from muser.tree import tree_depths
 from proposer_mac.backends.conditioned_meta import (
     ConditionedSpec,
     check_target,
@@ -71,6 +73,20 @@ def load_engine(path: Path, spec: ConditionedSpec, runtime: str, device: str = "
     chosen = choose_device(device)  # type: ignore[arg-type]
     arrays = {name: value.numpy() for name, value in net.state_dict().items()}
     return ConditionedMlx(spec, arrays, chosen), chosen
+
+
+@dataclass
+class _Block:
+    """A token tree evaluated after the held positions (`ConditionedDraft.evaluate_tree`):
+    entry 0 the root, entry i + 1 node i; its keys follow the held ones in evaluation order
+    (`order`, entry j's at `slot[j]`), and so do `outs` and `logits`, one per slot."""
+
+    tokens: list[int]
+    parents: list[int]
+    order: list[int]
+    outs: list[np.ndarray]
+    logits: list[np.ndarray]
+    slot: dict[int, int] = field(default_factory=dict)
 
 
 class ConditionedDraft(HeldTokens):
@@ -170,16 +186,127 @@ class ConditionedDraft(HeldTokens):
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         ids = check_tokens(tokens, self.vocab_size)
         check_room(self.length, len(ids), self.geometry.context_length)
+        self._drop_block()
+        self._refresh()
+        return self._append(ids)
+
+    def _refresh(self) -> None:
+        """Recompute the held positions from the first stale one, once the target's rows
+        before it arrived (module note)."""
         stale = self._first_self
-        if stale is not None and stale - 1 < self._known:  # its target rows arrived
+        if stale is not None and stale - 1 < self._known:
             held = self._tokens[stale:]
             self._drop(len(held))
             self._append(held)
-        return self._append(ids)
 
     def rollback(self, n: int) -> None:
         check_rollback(n, self.length)
+        self._drop_block()
         self._drop(n)
+
+    # ---- token trees (muser.tree), drafted on this sequence itself ----------------------
+
+    trees_on_held = True
+    """Token trees are evaluated on this very sequence (`evaluate_tree(self, ...)`)."""
+
+    def evaluate_tree(
+        self, seq: ConditionedDraft, tokens: Sequence[int], parents: Sequence[int]
+    ) -> np.ndarray:
+        """A token tree after the held tokens (`TorchBackend.evaluate_tree`'s contract):
+        `tokens[0]` the root at position `length`, node i (`tokens[i + 1]`, parent
+        `parents[i]`) at length + its depth, seeing the held positions in the window and its
+        own ancestors. The root reads the target's row before it where installed (else the
+        draft's own, as `evaluate`); a node reads its parent's output row: its rows are those
+        `evaluate` gives along its path with nothing installed past the root. A node reads
+        its parent's output, so each depth is one forward; a tree that extends the block
+        held (the tree drafted a depth at a time, `muser.tree.draft_tree`) evaluates only its
+        new nodes. Float64 logits (len(tokens), vocab); the block is held until `keep_path`."""
+        if seq is not self:
+            raise TypeError(f"{seq!r} is not this draft (its trees go on its own sequence)")
+        ids = check_tokens(tokens, self.vocab_size)
+        depths = tree_depths(parents, len(ids))
+        check_room(self.length, max(depths) + 1, self.geometry.context_length)
+        block = self._block
+        k = 0 if block is None else len(block.tokens)
+        if block is not None and (
+            ids[:k] != block.tokens or list(parents[: k - 1]) != block.parents or k > len(ids)
+        ):
+            self._drop_block()
+            block, k = None, 0
+        if block is None:
+            self._refresh()
+            block = self._block = _Block([], [], [], [], [])
+        block.tokens, block.parents = ids, [int(p) for p in parents]
+        new = range(k, len(ids))
+        for depth in sorted({depths[j] for j in new}):
+            self._tree_forward(block, [j for j in new if depths[j] == depth], depths)
+        out = np.full((len(ids), self.vocab_size), -np.inf)
+        out[:, self._head_ids] = np.stack([block.logits[block.slot[j]] for j in range(len(ids))])
+        return out
+
+    def _tree_forward(self, block: _Block, level: list[int], depths: list[int]) -> None:
+        """One forward of the block entries `level` (one depth), after the held positions
+        and the entries evaluated before."""
+        engine, n, start = self._engine, len(level), self.length
+        before = len(block.order)
+        feature = np.zeros((1, n, self.spec.hidden_size), np.float32)
+        for r, j in enumerate(level):
+            if j > 0:  # its parent's output row
+                feature[0, r] = block.outs[block.slot[block.parents[j - 1] + 1]]
+            elif 0 <= start - 1 < self._known:  # the root: the target's row before it
+                feature[0, r] = engine.fuse_features(self._features[start - 1 : start])[0]
+            elif start > 0:
+                feature[0, r] = self._outs[start - 1]
+            block.slot[j] = before + r
+        block.order += level
+        positions = start + np.array([depths[j] for j in level], dtype=np.int64)
+        key_positions = np.concatenate(
+            [np.arange(start), start + np.array([depths[j] for j in block.order], np.int64)]
+        )
+        seen = np.zeros((n, len(key_positions)), dtype=bool)
+        seen[:, :start] = True
+        for r, j in enumerate(level):
+            entry = j
+            while True:  # itself and its ancestors
+                seen[r, start + block.slot[entry]] = True
+                if entry == 0:
+                    break
+                entry = block.parents[entry - 1] + 1
+        seen &= key_positions[None, :] > positions[:, None] - self.spec.window
+        ids = np.array([[block.tokens[j] for j in level]], dtype=np.int64)
+        outs, logits, self._past = engine.forward(ids, feature, positions, seen, self._past)
+        block.outs.extend(outs[0])
+        block.logits.extend(logits[0].astype(np.float64))
+
+    def keep_path(self, path: Sequence[int]) -> None:
+        """After `evaluate_tree`: hold its root and the nodes of `path` (node indices, root's
+        child first), drop the rest of the block. The kept nodes read the draft's own rows,
+        so they are stale once the target's rows before them arrive (module note)."""
+        block = self._block
+        if block is None:
+            raise ValueError("keep_path: no tree block is held (evaluate_tree first)")
+        if any(not 0 <= i < len(block.tokens) - 1 for i in path):
+            raise ValueError(
+                f"keep_path: nodes {list(path)} outside the block's {len(block.tokens) - 1}"
+            )
+        start = self.length
+        slots = [block.slot[0], *(block.slot[i + 1] for i in path)]
+        self._past = self._engine.take(self._past, [*range(start), *(start + s for s in slots)])
+        self._outs = np.concatenate([self._outs, np.stack([block.outs[s] for s in slots])])
+        if self._first_self is None and start > 0 and start - 1 >= self._known:
+            self._first_self = start
+        elif self._first_self is None and path:
+            self._first_self = start + 1
+        self._tokens.extend([block.tokens[0], *(block.tokens[i + 1] for i in path)])
+        self._block = None
+
+    def _drop_block(self) -> None:
+        """Forget a tree block held past the held positions (its keys included)."""
+        if self._block is None:
+            return
+        self._block = None
+        keep = self.length
+        self._past = None if keep == 0 else (self._past[0][:, :, :keep], self._past[1][:, :, :keep])
 
     def reset(self) -> None:
         self._tokens: list[int] = []
@@ -189,6 +316,8 @@ class ConditionedDraft(HeldTokens):
         """The first held position computed with the draft's own feature (None: none)."""
         self._features = np.zeros((0, self._width), np.float32)
         self._known = 0
+        self._block: _Block | None = None
+        """A token tree evaluated past the held positions, not kept yet (`keep_path`)."""
 
     def _drop(self, n: int) -> None:
         if n == 0:

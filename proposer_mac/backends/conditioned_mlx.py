@@ -81,3 +81,10 @@ class ConditionedMlx:
             logits = self._linear("head", self._norm("norm", x))
             mx.eval(x, logits, k, v)
             return np.array(x), np.array(logits), (k, v)
+
+    def take(self, past, keys: list[int]):
+        """`past`'s keys and values at the indices `keys`, in that order."""
+        mx = self._mx
+        with mx.stream(self._stream):
+            at = mx.array(np.asarray(keys, dtype=np.int32))
+            return mx.take(past[0], at, axis=2), mx.take(past[1], at, axis=2)

@@ -133,3 +133,8 @@ class TorchEngine:
                 past,
             )
         return outs.numpy(), logits.numpy(), kv
+
+    def take(self, past, keys: list[int]):
+        """`past`'s keys and values at the indices `keys`, in that order."""
+        at = torch.as_tensor(keys, dtype=torch.long)
+        return past[0][:, :, at], past[1][:, :, at]

@@ -137,3 +137,34 @@ def test_a_mixed_batch_gives_each_chain_and_tree_its_own_rows(checkpoint, arch, 
     assert tree_seq._tokens[9:] == [TOKENS[0], TOKENS[1], TOKENS[4]]
     with pytest.raises(ValueError, match="at least one token"):
         backend.evaluate_mixed([(tree_seq, [], None)])
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_tree_captures_each_entrys_rows_of_its_path(checkpoint, arch, forward):
+    """`evaluate_tree_capture` / `evaluate_mixed_capture` (a capturing session's tree round):
+    every entry's capture rows are the rows a linear forward of its path captures at its
+    last position (within float rounding), the logits are `evaluate_tree`'s, and a chain
+    beside it in the batch keeps its own layers' rows."""
+    backend = _backend(checkpoint, arch, forward)
+    base = backend.sequence()
+    base.evaluate(PROMPT[:9])
+    layers = [1, 0]
+    rows, captured = backend.evaluate_tree_capture(base.clone(), TOKENS, PARENTS, layers)
+    plain = backend.evaluate_tree(base.clone(), TOKENS, PARENTS)
+    assert float(np.abs(rows - plain).max()) < 1e-5
+    assert sorted(captured) == [0, 1]
+    for n in range(-1, len(PARENTS)):
+        path = [TOKENS[0], *(TOKENS[1 + i] for i in path_of(n))] if n >= 0 else [TOKENS[0]]
+        _, want = base.clone().evaluate_capture(path, layers)
+        for layer in layers:
+            assert captured[layer].shape == (len(TOKENS), backend.geometry.hidden_size)
+            np.testing.assert_allclose(captured[layer][n + 1], want[layer][-1], atol=1e-4)
+    chain = base.clone()
+    (_, tree_rows), (_, chain_rows) = backend.evaluate_mixed_capture(
+        [(base.clone(), TOKENS, PARENTS, [0]), (chain, PROMPT[9:12], None, [1])]
+    )
+    assert sorted(tree_rows) == [0] and sorted(chain_rows) == [1]
+    np.testing.assert_allclose(tree_rows[0], captured[0], atol=1e-4)
+    _, want = base.clone().evaluate_capture(PROMPT[9:12], [1])
+    np.testing.assert_allclose(chain_rows[1], want[1], atol=1e-4)
+    assert chain.length == 12

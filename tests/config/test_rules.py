@@ -350,19 +350,30 @@ def test_each_machine_needs_only_its_own_checkpoint(cluster_file, tiny_pair, unq
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "says"),
+    ("edits", "says"),
     [
-        ("proposer.backend", "mlx", "lane.tree_nodes 16 needs proposer.backend 'torch' or 'ngram'"),
-        ("lane.capture_layers", [0], "with lane.capture_layers [0]: capturing sessions send"),
+        ({"proposer.backend": "mlx"},
+         "lane.tree_nodes 16 needs proposer.backend 'torch', 'conditioned' or 'ngram'"),
+        ({"lane.capture_layers": [0], "verifier.backend": "vllm"},
+         "with lane.capture_layers [0]: a capturing session's trees need verifier.backend 'torch'"),
+        ({"proposer.backend": "conditioned", "verifier.backend": "vllm"},
+         "with the conditioned draft: a capturing session's trees need verifier.backend 'torch'"),
     ],
-)
-def test_a_tree_lane_needs_a_drafting_backend_and_no_capture(
-    cluster_file, key, value, says, capsys
+)  # fmt: skip
+def test_a_tree_lane_needs_a_drafting_backend_and_a_capturing_one_a_torch_target(
+    cluster_file, edits, says, capsys
 ):
     set_value(cluster_file, "lane.tree_nodes", 16)
-    set_value(cluster_file, key, value)
+    for key, value in edits.items():
+        set_value(cluster_file, key, value)
     err = refused(cluster_file, capsys)
     assert says in err and "set lane.tree_nodes = 0" in err
+
+
+def test_a_capturing_tree_lane_on_a_torch_verifier_passes(cluster_file, unqualified):
+    set_value(cluster_file, "lane.tree_nodes", 16)
+    set_value(cluster_file, "lane.capture_layers", [0])
+    assert main(["config", "check", str(cluster_file)]) == 0
 
 
 def test_a_tree_lane_on_a_vllm_verifier_passes(cluster_file, unqualified):

@@ -64,7 +64,7 @@ def tree_client(v: Verifier, pair, params: SamplingParams, shape=SHAPE, **kw):
 async def run_session(v: Verifier, pair, params: SamplingParams, shape=SHAPE):
     client = tree_client(v, pair, params, shape)
     reply = await client.open_session()
-    assert list(reply.features) == ["tree-rounds", "capture-decode"]
+    assert list(reply.features) == ["tree-rounds", "capture-decode", "capture-trees"]
     stream = await client.attach()
     await client.run(stream)
     await stream.close()
@@ -262,15 +262,95 @@ async def test_a_chains_only_verifier_says_so_and_refuses_a_tree(key_set, tmp_pa
         await v.stop()
 
 
-async def test_a_capturing_session_sends_chains(tree_verifier, pair):
-    client = tree_client(tree_verifier, pair, GREEDY, capture_layers=(0,))
-    await client.open_session()
-    stream = await client.attach()
-    err = await expect_refused(
-        tree_verifier, client, stream, client.sign(client.draft_request()),
-        C.FAILED_PRECONDITION, "tree_rounds_unsupported",
-    )  # fmt: skip
-    assert "captures layers [0]" in err.message
+async def test_capturing_tree_rounds_send_the_rows_of_the_committed_path(tree_verifier, pair):
+    """A capturing session's tree rounds (a conditioned draft's) go in one forward with a
+    chain session's capturing rounds and a plain tree session's
+    (`TorchBackend.evaluate_mixed_capture`); each result's fragments hold the rows of every
+    position committed since the last ones sent, the frontier's and the accepted path's,
+    never a rejected node's: the target's own rows at every position of the transcript.
+    Greedy text is plain decode's."""
+    import asyncio
+
+    import numpy as np
+
+    from muser.capture import result_rows
+    from muser_torch.backend import TorchBackend
+
+    prompts = [PROMPT, PROMPT[:3] + [9, 4], PROMPT[:4] + [5]]
+    clients = [
+        tree_client(tree_verifier, pair, GREEDY, prompt=prompts[0], capture_layers=(1, 0)),
+        tree_verifier.client(GREEDY, prompt=prompts[1], draft=TorchBackend(pair[1]).sequence(),
+                             draft_len=3, capture_layers=(0,)),
+        tree_client(tree_verifier, pair, GREEDY, prompt=prompts[2]),
+    ]  # fmt: skip
+    streams = []
+    for c in clients:
+        reply = await c.open_session()
+        assert "capture-trees" in reply.features
+        streams.append(await c.attach())
+    seen: list[dict] = [{}, {}, {}]
+    while not all(c.done for c in clients):  # in lockstep: the rounds wait together
+        live = [i for i, c in enumerate(clients) if not c.done]
+        requests = [clients[i].draft_request() for i in live]
+        answers = await asyncio.gather(*(
+            streams[i].round_trip(clients[i].sign(r)) for i, r in zip(live, requests, strict=True)
+        ))  # fmt: skip
+        for i, request, (msg, fragments) in zip(live, requests, answers, strict=True):
+            c = clients[i]
+            result = c.accept(request, msg)
+            end = len(c.transcript) - 1  # the next frontier's rows do not exist yet
+            first, rows = result_rows(result.capture_digests,
+                                      {f.digest: f.data for f in fragments},
+                                      c.session_id, result.round, sorted(c.capture_layers), end)  # fmt: skip
+            for layer, r in rows.items():
+                for j, row in enumerate(r):
+                    assert first + j not in seen[i].get(layer, {})  # each position once
+                    seen[i].setdefault(layer, {})[first + j] = row
+    batches = tree_verifier.manager.stats.batch_sizes
+    assert max(batches) == 3  # all three shared forwards
+    reference = TorchBackend(pair[0])
+    for i, c in enumerate(clients):
+        assert c.out == run_plain(TorchBackend(pair[0]), prompts[i], GREEDY).tokens
+        if not c.capture_layers:
+            assert seen[i] == {}
+            continue
+        reference.reset()
+        _, full = reference.evaluate_capture(c.transcript, c.capture_layers)
+        for layer in c.capture_layers:
+            got = seen[i][layer]
+            assert sorted(got) == list(range(len(c.transcript) - 1))  # every position sent
+            for pos, row in got.items():  # float16 on the wire
+                np.testing.assert_allclose(row, full[layer][pos], rtol=2e-3, atol=2e-3)
+    trees = [RoundResult.decode(s.body) for s in clients[0].results]
+    assert any(r.is_tree and len(r.drafts) > len(r.path) for r in trees)  # nodes were rejected
+
+
+async def test_a_verifier_that_captures_chains_only_refuses_a_capturing_tree(
+    key_set, tmp_path, pair
+):
+    """A target that judges trees but cannot keep a tree's capture rows (vLLM's) offers no
+    `capture-trees` and refuses a capturing session's tree round, naming why."""
+    from muser_torch.backend import TorchBackend
+
+    class ChainsCapture(TorchBackend):
+        @property
+        def evaluate_mixed_capture(self):
+            raise AttributeError("evaluate_mixed_capture")
+
+    v = Verifier(tree_config(key_set, tmp_path / "wal"), key_set, lambda: ChainsCapture(pair[0]))
+    await v.start()
+    try:
+        client = tree_client(v, pair, GREEDY, capture_layers=(0,))
+        reply = await client.open_session()
+        assert list(reply.features) == ["tree-rounds", "capture-decode"]
+        stream = await client.attach()
+        err = await expect_refused(
+            v, client, stream, client.sign(client.draft_request()),
+            C.FAILED_PRECONDITION, "tree_rounds_unsupported",
+        )  # fmt: skip
+        assert "captures layers [0]" in err.message and "chains only" in err.message
+    finally:
+        await v.stop()
 
 
 async def test_tree_and_chain_rounds_of_two_sessions_share_one_forward(tree_verifier, pair):

@@ -57,6 +57,7 @@ from muser.errors import (
 )
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import config_value, model_identity, read_config
+from muser.tree import tree_depths
 from muser_torch.backend import DTYPES, set_rope_theta
 from verifier_gx.backends.vllm_worker import RowCapture
 
@@ -288,8 +289,6 @@ class VllmBackend(HeldTokens):
         apart) goes again alone, keeping the rows of the entries no path reached yet. Every
         row is the row of its own path, as a linear forward gives it. Float64 logits
         (len(tokens), vocab); the held tokens are unchanged until `keep_path(path)`."""
-        from muser_torch.batched import tree_depths
-
         if seq is not self:
             raise TypeError(f"{seq!r} is not this backend (a vLLM backend holds one sequence)")
         ids = check_tokens(tokens, self.vocab_size)
