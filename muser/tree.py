@@ -310,10 +310,10 @@ def shape_for_budget(nodes: int, depth: int) -> list[int]:
 # --- drafting ------------------------------------------------------------------------------
 
 
-def greedy_order(row: SparseRow) -> list[int]:
-    """The row's ids by weight, descending, lowest id first among equals."""
-    order = np.lexsort((row.ids, -row.weights))
-    return [int(row.ids[j]) for j in order]
+def greedy_order(row: SparseRow, k: int) -> list[int]:
+    """The row's `k` first ids by weight, descending, lowest id first among equals."""
+    order = np.lexsort((row.ids, -row.weights))[:k]
+    return [int(i) for i in row.ids[order]]
 
 
 def draw_children(row: SparseRow, k: int, rng: Mt19937, greedy: bool) -> list[int]:
@@ -321,7 +321,7 @@ def draw_children(row: SparseRow, k: int, rng: Mt19937, greedy: bool) -> list[in
     k largest; else k draws without replacement, one uniform each."""
     k = min(k, int(np.count_nonzero(row.weights)))
     if greedy:
-        return greedy_order(row)[:k]
+        return greedy_order(row, k)
     weights = row.weights.astype(np.float64).copy()
     out = []
     for _ in range(k):
