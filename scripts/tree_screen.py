@@ -25,6 +25,8 @@ SHAPES = ["1,1,1,1", "2,1,1,1", "4,1,1,1", "3,2,1,1", "4,2,1,1", "4,2,2,1", "4,3
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", default="toy", help="pair name (default toy)")
+    p.add_argument("--draft-kind", default="trained", choices=["trained", "conditioned"],
+                   help="which of the pair's drafts drafts the trees (default trained)")  # fmt: skip
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=7)
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.replot is not None:
         receipt = json.loads(args.replot.read_text())
-        plot(receipt["rows"], receipt["pair"], args.png)
+        plot(receipt["rows"], receipt["pair"], args.png, receipt.get("draft", "trained"))
         return 0
 
     import torch
@@ -47,10 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     from muser_app.lanes.tree import parse_branching, run_local_tree
     from muser_app.pairs import pair_prompts, resolve
     from muser_torch.backend import TorchBackend
+    from proposer_mac.backends import load_draft_backend
 
     torch.set_num_threads(1)
-    models = resolve(args.pair, "trained")
-    target, draft = TorchBackend(models.target), TorchBackend(models.draft)
+    models = resolve(args.pair, args.draft_kind)
+    target = TorchBackend(models.target)
+    draft = load_draft_backend(models.draft_backend, models.draft)
     tokenizer = AutoTokenizer.from_pretrained(str(models.target))
     prompts = [
         list(tokenizer.encode(t, add_special_tokens=False))
@@ -93,14 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"lane/plain={r['tokens_per_s'] / r['plain_tokens_per_s']:.2f}", flush=True)  # fmt: skip
     receipt = {
         "what": "tree admission screen (scripts/tree_screen.py)",
-        "pair": models.pair, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        "pair": models.pair, "draft": args.draft_kind, "prompts": args.prompts, "max_tokens": args.max_tokens,
         "seed": args.seed, "machine": platform.processor() or platform.machine(),
         "threads": 1, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
     }  # fmt: skip
     if args.receipt:
         args.receipt.write_text(json.dumps(receipt, indent=1) + "\n")
     if args.png:
-        plot(rows, models.pair, args.png)
+        plot(rows, models.pair, args.png, args.draft_kind)
     return 0
 
 
@@ -142,7 +146,7 @@ def forward_costs(target, prompt: list[int], shapes: list[list[int]], repeats: i
     return out
 
 
-def plot(rows: list[dict], pair: str, path: Path) -> None:
+def plot(rows: list[dict], pair: str, path: Path, draft: str = "trained") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,7 +165,7 @@ def plot(rows: list[dict], pair: str, path: Path) -> None:
     right.plot([r["nodes"] for r in mine], [r["forward_cost_vs_decode"] for r in mine], "k^:",
                label="target forward alone")  # fmt: skip
     left.set(xlabel="tree nodes (4 = the chain, D = 4)", ylabel="tokens emitted per target call",
-             title=f"{pair} pair: tokens per target call")  # fmt: skip
+             title=f"{pair} pair, {draft} draft: tokens per target call")  # fmt: skip
     right.set(xlabel="tree nodes", ylabel="x one-token decode (same T)",
               title="cost of one tree call")  # fmt: skip
     for ax in (left, right):

@@ -249,8 +249,8 @@ def build_lanes(
         drafts_trees = hasattr(draft, "evaluate_tree") or hasattr(draft, "candidates")
         if not 1 <= draft_len <= tree_nodes or not drafts_trees:
             notes["local-tree"] = (
-                f"skipped: trees need 1 <= --draft-len <= --tree-nodes and a torch or n-gram "
-                f"draft ({draft_backend})"
+                f"skipped: trees need 1 <= --draft-len <= --tree-nodes and a torch, "
+                f"conditioned or n-gram draft ({draft_backend})"
             )
         else:
             for name, mode in (("local-tree", "fixed"), ("local-tree-adaptive", "adaptive")):

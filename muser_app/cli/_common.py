@@ -86,7 +86,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="local lane: draft each round as a token tree of at most N nodes, --draft-len "
-        "deep, judged in one target call (torch draft and target; docs/trees.md); "
+        "deep, judged in one target call (a torch, conditioned or n-gram draft; "
+        "docs/trees.md); "
         "--lane cluster: the cluster's lane.tree_nodes decides",
     )
     g.add_argument(
