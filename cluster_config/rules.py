@@ -248,29 +248,17 @@ def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
 def tree_lane(config: ClusterConfig, scope: Scope) -> None:
     """lane.tree_nodes: trees are drafted by a torch or conditioned draft (each evaluates a
     token tree on a KV of its own) or by prompt lookup (its rows are its candidates), judged
-    by either target kind (torch in one forward under a tree mask, vLLM a request per
-    branch); a capturing session's trees (a conditioned draft, lane.capture_layers) by a
-    torch target only (it keeps every node's capture rows in the tree's forward)."""
+    by either target kind (torch in one forward under a tree mask, vLLM its paths in one
+    engine step), a capturing session's too (both keep every node's capture rows)."""
     lane = config.lane
     if not lane.tree_nodes:
         return
-    fix = "set lane.tree_nodes = 0 (chains)"
     if config.proposer.backend not in ("torch", "conditioned", "ngram"):
         raise ConfigError(
             f"lane.tree_nodes {lane.tree_nodes} needs proposer.backend 'torch', 'conditioned' "
             f"or 'ngram' (a draft that drafts token trees); proposer.backend is "
-            f"{config.proposer.backend!r}: {fix} or change the backend"
-        )
-    capturing = config.proposer.backend == "conditioned" or lane.capture_layers
-    if capturing and config.verifier.backend != "torch":
-        what = (
-            "the conditioned draft" if config.proposer.backend == "conditioned"
-            else f"lane.capture_layers {list(lane.capture_layers)}"
-        )  # fmt: skip
-        raise ConfigError(
-            f"lane.tree_nodes {lane.tree_nodes} with {what}: a capturing session's trees need "
-            f"verifier.backend 'torch' (it keeps every node's capture rows), got "
-            f"{config.verifier.backend!r}: {fix} or serve the target on torch"
+            f"{config.proposer.backend!r}: set lane.tree_nodes = 0 (chains) or change the "
+            "backend"
         )
 
 

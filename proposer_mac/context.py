@@ -122,10 +122,9 @@ class DriverContext:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "tree_rounds_unsupported",
                 f"the verifier at {member.address} judges trees but captures the rows of chains "
-                f"only (features {list(reply.features)}: a vLLM target, or a verifier from "
-                f"before session 33); this session captures layers "
-                f"{list(s.open.capture_layers)} and drafts trees (lane.tree_nodes): serve the "
-                "target on torch, or set lane.tree_nodes = 0",
+                f"only (features {list(reply.features)}: a verifier from before session 33); "
+                f"this session captures layers {list(s.open.capture_layers)} and drafts trees "
+                "(lane.tree_nodes): upgrade the verifier, or set lane.tree_nodes = 0",
             )
         fit_decode(s, reply.features)
         s.signer = reply.verifier_key_id

@@ -251,8 +251,8 @@ def check_tree(
     if state.open.capture_layers and not captures_trees:
         raise TreeUnsupportedError(
             f"a tree round received for session {sid}, which captures layers "
-            f"{list(state.open.capture_layers)}; this verifier captures the rows of chains "
-            "only (a capturing tree round needs a torch target with a KV per session)"
+            f"{list(state.open.capture_layers)}; this verifier's target keeps the rows of "
+            "chains only"
         )
     if request.decode_len != 1:
         raise DecodeLengthError(f"a tree round decodes nothing more: decode_len must be 1, got "

@@ -67,20 +67,27 @@ class CaptureTap:
             kept[first:end] = rows
 
     @property
+    def _tree_owner(self):
+        """What evaluates trees on the tapped sequence: a torch sequence's backend, or a
+        backend that holds its one sequence (vLLM)."""
+        seq = self.backend
+        return seq if getattr(seq, "trees_on_held", False) else getattr(seq, "owner", None)
+
+    @property
     def trees_on_held(self) -> bool:
-        """Over a torch target's sequence (`TorchSequence`) the tap evaluates token trees on
-        it (`evaluate_tree(tap, ...)`, `keep_path`), keeping the root's and the kept path's
-        rows: the local tree lane with a conditioned draft."""
-        return hasattr(getattr(self.backend, "owner", None), "evaluate_tree_capture")
+        """Over a torch target's sequence (`TorchSequence`) or a vLLM target the tap
+        evaluates token trees on it (`evaluate_tree(tap, ...)`, `keep_path`), keeping the
+        root's and the kept path's rows: the local tree lane with a conditioned draft."""
+        return hasattr(self._tree_owner, "evaluate_tree_capture")
 
     def evaluate_tree(
         self, seq: CaptureTap, tokens: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:
-        """`TorchBackend.evaluate_tree` on the tapped sequence, every entry's rows held
-        until `keep_path` keeps the root's and the path's."""
+        """`evaluate_tree` on the tapped sequence, every entry's rows held until `keep_path`
+        keeps the root's and the path's."""
         if seq is not self or not self.trees_on_held:
-            raise TypeError("a capture tap evaluates trees on the torch sequence it taps")
-        logits, self._block = self.backend.owner.evaluate_tree_capture(
+            raise TypeError("a capture tap evaluates trees on the target sequence it taps")
+        logits, self._block = self._tree_owner.evaluate_tree_capture(
             self.backend, tokens, parents, self.layers
         )
         return logits

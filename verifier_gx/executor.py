@@ -184,14 +184,21 @@ class TargetExecutor:
             for layer, rows in block_rows.items()
         }  # fmt: skip
 
-    def witness_tree(self, transcript: Sequence[int], tree) -> np.ndarray:
+    def witness_tree(
+        self, transcript: Sequence[int], tree, capture: Capture | None = None
+    ) -> np.ndarray:
         """A tree round alone on a backend that evaluates trees on the sequence it holds
         (`trees_on_held`: vLLM): hold transcript[:-1], then the frontier and the nodes; the
-        block is held until `keep_tree_path`. Raw logits (1 + nodes, V)."""
+        block is held until `keep_tree_path`. Raw logits (1 + nodes, V); a capturing round's
+        rows in `captured`, as `prepare_tree` and `keep_tree_captured` leave them."""
         self.drop_ahead()
-        self.prepare(transcript, ())
+        block = self.prepare_tree(transcript, tree, capture)
         backend = self.cursor.backend
-        return backend.evaluate_tree(backend, [int(transcript[-1]), *tree.tokens], tree.parents)
+        if capture is None:
+            return backend.evaluate_tree(backend, block, tree.parents)
+        rows, captured = backend.evaluate_tree_capture(backend, block, tree.parents, capture.layers)
+        self.keep_tree_captured(captured)
+        return rows
 
     def keep_tree_path(self, frontier: int, tree, path: Sequence[int], logits: np.ndarray):
         """After a tree round: keep the frontier's and the accepted path's KV (the path's
@@ -225,12 +232,10 @@ def witness_batch(backend: ModelBackend, rounds: Sequence[tuple]) -> list[np.nda
     if any(r.executor.cursor.backend is backend for r in rounds):
         if trees and not trees_on_held(backend):
             raise ValueError("a tree round needs a sequence of its own (a KV per session)")
-        if any(r.tree is not None and r.capture is not None for r in rounds):
-            raise ValueError("a capturing tree round needs a sequence of its own (torch)")
         return [
             r.executor.witness_logits(r.transcript, r.drafts, r.capture)
             if r.tree is None
-            else r.executor.witness_tree(r.transcript, r.tree)
+            else r.executor.witness_tree(r.transcript, r.tree, r.capture)
             for r in rounds
         ]
     ahead = [

@@ -110,10 +110,12 @@ class Rounds:
         target evaluates one on a session's own KV (torch) or on the one sequence it holds,
         a request per branch (vLLM: `trees_on_held`); another shared KV (fakes) takes chains
         only."""
-        self.captures_trees = self.judges_trees and kv.per_session
-        self.captures_trees &= hasattr(backend, "evaluate_mixed_capture")
+        self.captures_trees = self.judges_trees and hasattr(
+            backend, "evaluate_mixed_capture" if kv.per_session else "evaluate_tree_capture"
+        )
         """Whether a capturing session's tree rounds are judged here: the target keeps every
-        block entry's capture rows in the tree's forward (torch, a KV per session)."""
+        block entry's capture rows in the tree's forward (torch: in the batch's forward;
+        vLLM: from the tree's requests)."""
         self.computer = RoundComputer(backend, kv, signing_key, stats, clock, on_target)
         self.batcher: RoundBatcher[RoundJob, tuple] = RoundBatcher(
             self._decide_and_commit,

@@ -75,9 +75,10 @@ def run_local_tree(
         if not hasattr(target, "evaluate_tree_capture"):
             raise ValueError(
                 f"the tree lane with a conditioned draft needs a target that captures a tree's "
-                f"rows (torch); {type(target).__name__} does not"
+                f"rows (torch, vLLM); {type(target).__name__} does not"
             )
-        target = CaptureTap(target.sequence(), draft.capture_layers)
+        seq = target if trees_on_held(target) else target.sequence()
+        target = CaptureTap(seq, draft.capture_layers)
     for name, backend in (("target", target), *(() if lookup else (("draft", draft),))):
         if not hasattr(backend, "evaluate_tree"):
             raise ValueError(

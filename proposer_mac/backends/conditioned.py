@@ -238,8 +238,12 @@ class ConditionedDraft(HeldTokens):
             block = self._block = _Block([], [], [], [], [])
         block.tokens, block.parents = ids, [int(p) for p in parents]
         new = range(k, len(ids))
-        for depth in sorted({depths[j] for j in new}):
-            self._tree_forward(block, [j for j in new if depths[j] == depth], depths)
+        try:
+            for depth in sorted({depths[j] for j in new}):
+                self._tree_forward(block, [j for j in new if depths[j] == depth], depths)
+        except BaseException:  # a block part-evaluated is no block: the held positions stand
+            self._drop_block()
+            raise
         out = np.full((len(ids), self.vocab_size), -np.inf)
         out[:, self._head_ids] = np.stack([block.logits[block.slot[j]] for j in range(len(ids))])
         return out
@@ -248,33 +252,33 @@ class ConditionedDraft(HeldTokens):
         """One forward of the block entries `level` (one depth), after the held positions
         and the entries evaluated before."""
         engine, n, start = self._engine, len(level), self.length
-        before = len(block.order)
+        slot = {**block.slot, **{j: len(block.order) + r for r, j in enumerate(level)}}
         feature = np.zeros((1, n, self.spec.hidden_size), np.float32)
         for r, j in enumerate(level):
             if j > 0:  # its parent's output row
-                feature[0, r] = block.outs[block.slot[block.parents[j - 1] + 1]]
+                feature[0, r] = block.outs[slot[block.parents[j - 1] + 1]]
             elif 0 <= start - 1 < self._known:  # the root: the target's row before it
                 feature[0, r] = engine.fuse_features(self._features[start - 1 : start])[0]
             elif start > 0:
                 feature[0, r] = self._outs[start - 1]
-            block.slot[j] = before + r
-        block.order += level
+        order = [*block.order, *level]
         positions = start + np.array([depths[j] for j in level], dtype=np.int64)
         key_positions = np.concatenate(
-            [np.arange(start), start + np.array([depths[j] for j in block.order], np.int64)]
+            [np.arange(start), start + np.array([depths[j] for j in order], np.int64)]
         )
         seen = np.zeros((n, len(key_positions)), dtype=bool)
         seen[:, :start] = True
         for r, j in enumerate(level):
             entry = j
             while True:  # itself and its ancestors
-                seen[r, start + block.slot[entry]] = True
+                seen[r, start + slot[entry]] = True
                 if entry == 0:
                     break
                 entry = block.parents[entry - 1] + 1
         seen &= key_positions[None, :] > positions[:, None] - self.spec.window
         ids = np.array([[block.tokens[j] for j in level]], dtype=np.int64)
         outs, logits, self._past = engine.forward(ids, feature, positions, seen, self._past)
+        block.slot, block.order = slot, order  # (only once the forward ran)
         block.outs.extend(outs[0])
         block.logits.extend(logits[0].astype(np.float64))
 

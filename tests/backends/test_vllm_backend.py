@@ -124,6 +124,44 @@ def test_a_token_tree_gives_each_node_its_own_paths_row(loaded, vllm_path) -> No
     np.testing.assert_allclose(after[0], float64_rows(vllm_path, [*kept, 7])[-1], rtol=0, atol=1e-4)
 
 
+def test_a_token_tree_captures_each_entrys_rows_of_its_path(loaded, checkpoint) -> None:
+    """A capturing session's tree on vLLM (`evaluate_tree_capture`): every entry's capture
+    rows, from the same one engine step, are torch's rows of that entry's own path, and
+    so are the logits; a path that goes again alone brings its rows too."""
+    torch_rows = build_backend("torch", checkpoint("llama", **checkpoint_options("vllm")))
+    layers = [1, 0]
+    backend = loaded("vllm")
+    transcript = LONG[:70]
+    backend.evaluate(transcript[:-1])
+    tree = [transcript[-1], *TREE_TOKENS]
+    calls = backend.engine_calls
+    rows, captured = backend.evaluate_tree_capture(backend, tree, TREE_PARENTS, layers)
+    assert backend.engine_calls == calls + 1 and sorted(captured) == [0, 1]
+    np.testing.assert_allclose(rows, backend.evaluate_tree(backend, tree, TREE_PARENTS),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    for entry in range(len(tree)):
+        path, e = [], entry
+        while e > 0:
+            path.append(TREE_TOKENS[e - 1])
+            e = TREE_PARENTS[e - 1] + 1
+        torch_rows.reset()
+        _, want = torch_rows.evaluate_capture([*transcript, *reversed(path)], layers)
+        for i in layers:
+            assert captured[i].shape == (len(tree), backend.geometry.hidden_size)
+            scale = max(1.0, float(np.abs(want[i][-1]).max()))
+            assert np.abs(captured[i][entry] - want[i][-1]).max() <= 1e-5 * scale, (entry, i)
+    real = backend._run_paths
+    backend._run_paths = lambda base, paths, ids: [
+        g if k != 1 else None for k, g in enumerate(real(base, paths, ids))
+    ]
+    try:
+        _, again = backend.evaluate_tree_capture(backend, tree, TREE_PARENTS, layers)
+    finally:
+        backend._run_paths = real
+    for i in layers:
+        np.testing.assert_allclose(again[i], captured[i], rtol=0, atol=1e-5)
+
+
 def test_tree_paths_whose_rows_did_not_come_go_alone(loaded, monkeypatch) -> None:
     """The worker answers None for a path it cannot tell apart; that path goes again as a
     request of its own and the rows are the same."""

@@ -69,12 +69,16 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
     assert sent > 0  # and the next tree went out on the decision
 
 
+def a_seed_repeats(cluster, tokens: int = 32, seed: int = 2) -> None:
+    """Prompt 1 sampled twice with one seed: the same text, as long as asked."""
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, seed=seed)
+    first = stream_generate(cluster.address, prompt_of(cluster, 1), params)
+    second = stream_generate(cluster.address, prompt_of(cluster, 1), params)
+    assert first["tokens"] == second["tokens"] and len(first["tokens"]) == tokens
+
+
 def test_sampled_tree_cluster_repeats_for_a_seed(cluster) -> None:
-    params = SamplingParams(temperature=1.0, max_tokens=48, seed=5)
-    prompt = prompt_of(cluster, 1)
-    first = stream_generate(cluster.address, prompt, params)
-    second = stream_generate(cluster.address, prompt, params)
-    assert first["tokens"] == second["tokens"] and len(first["tokens"]) == 48
+    a_seed_repeats(cluster, 48, 5)
 
 
 @pytest.mark.parametrize("victim", ["proposer", "verifier"])
@@ -123,10 +127,7 @@ def test_prompt_lookup_drafts_trees_in_the_cluster(tmp_path, fixture_pair) -> No
             assert got["tokens"] == oracle(cluster, prompt, params), f"prompt {i}"
             nodes += got["stats"]["tree"]["nodes"]
         assert nodes > 0
-        sampled = SamplingParams(temperature=1.0, max_tokens=32, seed=2)
-        first = stream_generate(cluster.address, prompt_of(cluster, 1), sampled)
-        again = stream_generate(cluster.address, prompt_of(cluster, 1), sampled)
-        assert first["tokens"] == again["tokens"]
+        a_seed_repeats(cluster)
     finally:
         cluster.stop()
 
@@ -158,9 +159,6 @@ def test_the_conditioned_draft_drafts_trees_in_the_cluster(tmp_path, fixture_pai
             assert stats["speculation"]["ahead_void"] == 0
             rounds, emitted = rounds + stats["rounds"], emitted + len(got["tokens"])
         assert emitted / rounds > 2.0  # measured 3.4 on the local tree lane (docs/trees.md)
-        sampled = SamplingParams(temperature=1.0, max_tokens=32, seed=2)
-        first = stream_generate(cluster.address, prompt_of(cluster, 1), sampled)
-        again = stream_generate(cluster.address, prompt_of(cluster, 1), sampled)
-        assert first["tokens"] == again["tokens"]
+        a_seed_repeats(cluster)
     finally:
         cluster.stop()

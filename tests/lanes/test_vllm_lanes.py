@@ -41,6 +41,30 @@ def probs(row: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def vllm_trees(text: str) -> str:
+    """A cluster file's edit: the verifier on vLLM, 16-node trees of one shape."""
+    text = text.replace('backend = "torch"', 'backend = "vllm"', 1)
+    text = text.replace("tree_nodes = 0", "tree_nodes = 16")
+    return text.replace('width = "adaptive"', 'width = "fixed"')
+
+
+def generate_on(cluster, prompts, oracles, params: SamplingParams, what: str) -> list[dict]:
+    """Start `cluster`, generate each prompt and hold its tokens to its oracle; each one's
+    stats."""
+    from muser_app.cli.cluster_client import stream_generate
+
+    cluster.start()
+    try:
+        out = []
+        for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
+            got = stream_generate(cluster.address, prompt, params)
+            assert got["tokens"] == oracle, f"prompt {i}: {what} differs"
+            out.append(got["stats"])
+        return out
+    finally:
+        cluster.stop()
+
+
 def plain_of(tok, torch_target, params: SamplingParams, n: int, skip: int = 0):
     """Natural prompts `skip` to `skip + n`, their ids and torch's plain decode of each."""
     prompts = [encode(tok, text) for text in natural_prompts(skip + n)[skip:]]
@@ -135,7 +159,6 @@ def test_the_conditioned_draft_on_a_vllm_target_equals_torch_plain(natural, tmp_
     through the target's `evaluate_capture`; a two-daemon cluster with the verifier under
     vLLM sends them with each signed result. 3 prompts x 64 greedy tokens equal torch's plain
     decode in both, and the draft drafts from the rows (it accepts)."""
-    from muser_app.cli.cluster_client import stream_generate
     from muser_app.fixtures import FixturePair
     from muser_app.pairs import pair_conditioned_draft
     from tests.cluster.conftest import make_cluster
@@ -160,14 +183,8 @@ def test_the_conditioned_draft_on_a_vllm_target_equals_torch_plain(natural, tmp_
     )
     assert cluster.config.verifier.backend == "vllm"
     assert cluster.config.proposer.backend == "conditioned"
-    cluster.start()
-    try:
-        for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
-            got = stream_generate(cluster.address, prompt, params)
-            assert got["tokens"] == oracle, f"prompt {i}: the vLLM-verified cluster differs"
-            assert got["stats"]["capture"]["bytes"] > 0 and got["stats"]["accepted"] > 0
-    finally:
-        cluster.stop()
+    for stats in generate_on(cluster, prompts, oracles, params, "the vLLM-verified cluster"):
+        assert stats["capture"]["bytes"] > 0 and stats["accepted"] > 0
 
 
 def test_a_tree_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_path) -> None:
@@ -193,12 +210,7 @@ def test_a_tree_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_pat
         assert local.stats.tree_nodes > local.stats.drafted
     assert vllm_target.full_recomputes == recomputes
 
-    def edit(text: str) -> str:
-        text = text.replace('backend = "torch"', 'backend = "vllm"', 1)
-        text = text.replace("tree_nodes = 0", "tree_nodes = 16")
-        return text.replace('width = "adaptive"', 'width = "fixed"')
-
-    cluster = make_cluster(tmp_path, pair, edit=edit)
+    cluster = make_cluster(tmp_path, pair, edit=vllm_trees)
     assert cluster.config.verifier.backend == "vllm" and cluster.config.lane.tree_nodes == 16
     cluster.start()
     try:
@@ -209,6 +221,35 @@ def test_a_tree_cluster_with_a_vllm_verifier_equals_torch_plain(natural, tmp_pat
             assert tree["shape"] == [4, 1, 1, 1] and tree["nodes"] > got["stats"]["drafted"]
     finally:
         cluster.stop()
+
+
+def test_the_conditioned_draft_drafts_trees_on_a_vllm_target(natural, tmp_path) -> None:
+    """issues 32 x 33: a capturing session's trees on vLLM. The conditioned draft drafts
+    16-node trees; the target keeps every entry's capture rows from the tree's requests and
+    the draft reads the root's and the accepted path's. The local tree lane and a cluster
+    whose vLLM verifier offers `capture-trees` emit torch's plain decode, 2 prompts x 64
+    greedy tokens."""
+    from muser_app.fixtures import FixturePair
+    from muser_app.lanes.tree import run_local_tree
+    from muser_app.pairs import pair_conditioned_draft
+    from tests.cluster.conftest import make_cluster
+
+    tok, torch_target, vllm_target, _ = natural
+    pair = build_fixtures(progress=False).natural
+    draft_dir = pair_conditioned_draft("toy", progress=False)
+    draft = load_draft_backend("conditioned", draft_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    prompts, oracles = plain_of(tok, torch_target, params, 2, skip=12)
+    for i, (prompt, oracle) in enumerate(zip(prompts, oracles, strict=True)):
+        local = run_local_tree(vllm_target, draft, prompt, params, branching=[4, 1, 1, 1])
+        assert local.tokens == oracle, f"prompt {i}: the conditioned tree lane on vllm differs"
+        assert local.stats.tree_nodes > local.stats.drafted > 0
+
+    cluster = make_cluster(tmp_path, FixturePair(pair.target, draft_dir), edit=vllm_trees)
+    assert cluster.config.proposer.backend == "conditioned"
+    for stats in generate_on(cluster, prompts, oracles, params, "the conditioned tree cluster"):
+        assert stats["tree"]["nodes"] > stats["drafted"] > 0
+        assert stats["capture"]["bytes"] > 0
 
 
 def test_vllm_speculative_peer_equals_torch_plain(natural) -> None:

@@ -403,3 +403,32 @@ def test_the_local_tree_lane_emits_plain_decodes_greedy_text(toy) -> None:
             per_round[name][1] += r.stats.rounds
     chain_rate, tree_rate = (n / r for n, r in per_round.values())
     assert tree_rate > chain_rate, per_round
+
+
+def test_a_tree_forward_that_fails_leaves_the_held_positions(toy, window) -> None:
+    """A draft forward that raises part-way through a tree (the second depth) drops the
+    block: the held positions stand, no block is kept, and the same tree evaluated again
+    gives the rows it gives on a draft that never failed."""
+    _, draft_dir, _ = toy
+    tokens, feats, _ = window
+    draft, ref = ConditionedDraft(draft_dir), ConditionedDraft(draft_dir)
+    for d in (draft, ref):
+        d.install_features(0, layer_rows(d.spec, feats, 0, 20))
+        d.evaluate([int(x) for x in tokens[:20]])
+    tree = ([int(x) for x in tokens[20:24]], [-1, -1, 0])
+    forward, calls = draft._engine.forward, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return forward(*args)
+
+    draft._engine.forward = failing
+    with pytest.raises(RuntimeError, match="out of memory"):
+        draft.evaluate_tree(draft, *tree)
+    draft._engine.forward = forward
+    assert draft.length == 20 and draft._past[0].shape[2] == 20
+    with pytest.raises(ValueError, match="no tree block"):
+        draft.keep_path([])
+    close_rows(draft.evaluate_tree(draft, *tree), ref.evaluate_tree(ref, *tree))

@@ -210,12 +210,15 @@ class VllmBackend(HeldTokens):
         """`evaluate`, plus the float32 (n, hidden) output of each requested decoder layer
         (what layer i hands to layer i+1, before the final norm: `TorchBackend`'s capture),
         kept by the worker's layer hooks in the same forward."""
+        return self._evaluate(tokens, self._capture_layers(layers))
+
+    def _capture_layers(self, layers: Sequence[int]) -> list[int]:
         count = self.num_layers
         wanted = sorted({int(i) for i in layers})
         for i in wanted:
             if not 0 <= i < count:
                 raise CaptureLayerError(f"capture layer {i} outside [0, {count}) decoder layers")
-        return self._evaluate(tokens, wanted)
+        return wanted
 
     def _evaluate(self, tokens: Sequence[int], layers: list[int]):
         ids = check_tokens(tokens, self.vocab_size)
@@ -280,6 +283,20 @@ class VllmBackend(HeldTokens):
     def evaluate_tree(
         self, seq: VllmBackend, tokens: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:
+        """`_tree` capturing nothing."""
+        return self._tree_rows(seq, tokens, parents, [])[0]
+
+    def evaluate_tree_capture(
+        self, seq: VllmBackend, tokens: Sequence[int], parents: Sequence[int],
+        layers: Sequence[int],
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:  # fmt: skip
+        """`evaluate_tree`, plus each of `layers`' float32 (len(tokens), hidden) rows at every
+        entry, from the same requests (a capturing session's tree round)."""
+        return self._tree_rows(seq, tokens, parents, self._capture_layers(layers))
+
+    def _tree_rows(
+        self, seq: VllmBackend, tokens: Sequence[int], parents: Sequence[int], layers: list[int]
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """A token tree after the held tokens (DESIGN.md §4.1; `TorchBackend.evaluate_tree`'s
         contract, `seq` this backend): `tokens[0]` is the root (the frontier), `tokens[i + 1]`
         node i, whose parent is `parents[i]`. vLLM takes requests, not masks, so each
@@ -287,8 +304,9 @@ class VllmBackend(HeldTokens):
         engine step (`muser_take_paths` splits its rows by request); the prefix cache serves
         the held blocks. A path whose rows did not come (a run the worker could not tell
         apart) goes again alone, keeping the rows of the entries no path reached yet. Every
-        row is the row of its own path, as a linear forward gives it. Float64 logits
-        (len(tokens), vocab); the held tokens are unchanged until `keep_path(path)`."""
+        row is the row of its own path, as a linear forward gives it, and so are the rows of
+        the capture `layers` (from the same requests). Float64 logits (len(tokens), vocab)
+        and the captured rows; the held tokens are unchanged until `keep_path(path)`."""
         if seq is not self:
             raise TypeError(f"{seq!r} is not this backend (a vLLM backend holds one sequence)")
         ids = check_tokens(tokens, self.vocab_size)
@@ -297,6 +315,7 @@ class VllmBackend(HeldTokens):
         up = [-1, *(p + 1 for p in parents)]  # each entry's parent entry
         has_child = set(up[1:])
         rows: list[np.ndarray | None] = [None] * len(ids)
+        kept: dict[int, list] = {i: [None] * len(ids) for i in layers}
         base = list(self._tokens)
         self._tree = None
         paths = []
@@ -305,33 +324,47 @@ class VllmBackend(HeldTokens):
             while up[path[-1]] >= 0:
                 path.append(up[path[-1]])
             paths.append(path[::-1])
-        # every path in one engine step; a path whose rows did not all come goes alone below
-        for path, got in zip(paths, self._run_paths(base, paths, ids), strict=True):
-            if got is not None:
-                first, got_rows = got
-                for e, row in zip(path[first - len(base) :], got_rows, strict=True):
-                    rows[e] = row
-        for path in paths:
-            if all(rows[e] is not None for e in path):
-                continue
-            fresh = next(k for k, e in enumerate(path) if rows[e] is None)
-            sequence = base + [ids[e] for e in path]
-            start = len(base) + fresh
-            got = self._run(sequence, start, use_cache=True)
-            if got is None:
-                self.full_recomputes += 1
-                got = self._run(sequence, start, use_cache=False)
+
+        def place(entries, got_rows, got_layers) -> None:
+            for k, e in enumerate(entries):
+                rows[e] = got_rows[k]
+                for i in layers:
+                    kept[i][e] = got_layers[i][k]
+
+        if layers:
+            self._llm.collective_rpc("muser_capture", args=(layers,))
+        try:
+            # every path in one engine step; a path whose rows did not all come goes alone
+            for path, got in zip(paths, self._run_paths(base, paths, ids), strict=True):
+                if got is not None:
+                    first, got_rows, got_layers = got
+                    place(path[first - len(base) :], got_rows, got_layers)
+            for path in paths:
+                if all(rows[e] is not None for e in path):
+                    continue
+                fresh = next(k for k, e in enumerate(path) if rows[e] is None)
+                sequence = base + [ids[e] for e in path]
+                start = len(base) + fresh
+                got = self._run(sequence, start, use_cache=True)
                 if got is None:
-                    raise RuntimeError("vLLM computed no rows although the prefix cache was off")
-            for e, row in zip(path[fresh:], got[0], strict=True):
-                rows[e] = row
+                    self.full_recomputes += 1
+                    got = self._run(sequence, start, use_cache=False)
+                    if got is None:
+                        raise RuntimeError(
+                            "vLLM computed no rows although the prefix cache was off"
+                        )
+                place(path[fresh:], *got)
+        finally:
+            if layers:
+                self._llm.collective_rpc("muser_capture", args=([],))
         self._tree = (len(base), ids)
-        return np.stack(rows)[:, : self.vocab_size].astype(np.float64)  # type: ignore[arg-type]
+        logits = np.stack(rows)[:, : self.vocab_size].astype(np.float64)  # type: ignore[arg-type]
+        return logits, {i: np.stack(kept[i]) for i in layers}
 
     def _run_paths(self, base: list[int], paths: list[list[int]], ids: list[int]):
         """One engine step over every path (held tokens + the path's tokens): per path
-        (first, its rows of positions first.. to its end), or None where the worker could
-        not tell them apart."""
+        (first, its rows of positions first.. to its end, its captured layers' rows there),
+        or None where the worker could not tell them apart."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -348,9 +381,13 @@ class VllmBackend(HeldTokens):
         replies = self._llm.collective_rpc("muser_take_paths", args=(len(base), sequences))
         got = next((r for r in replies if r is not None), [None] * len(paths))
         return [
-            None if g is None else (g[0], np.frombuffer(g[1], dtype=np.float32).reshape(g[2]))
+            None if g is None else (
+                g[0],
+                np.frombuffer(g[1], dtype=np.float32).reshape(g[2]),
+                {i: np.frombuffer(b, dtype=np.float32).reshape(g[2][0], -1) for i, b in g[3].items()},
+            )
             for g in got
-        ]
+        ]  # fmt: skip
 
     def keep_path(self, path: Sequence[int]) -> None:
         """After `evaluate_tree`: hold its root and the nodes of `path` (root's child first)."""

@@ -73,11 +73,12 @@ class RowCapture:
 
     def muser_take_paths(
         self, base: int, sequences: list[list[int]]
-    ) -> list[tuple[int, bytes, tuple[int, int]] | None] | None:
+    ) -> list[tuple[int, bytes, tuple[int, int], dict[int, bytes]] | None] | None:
         """After one step of requests that share their first `base` tokens (a token tree's
         paths): for each request, (first, its logits of positions [first, len(sequence)) as
-        float32 bytes, their shape) with first >= base, or None where none of its rows can be
-        told apart (the caller evaluates it alone). The forward's rows are split into runs of
+        float32 bytes, their shape, each captured layer's rows of the same positions as
+        float32 bytes: `muser_capture`) with first >= base, or None where none of its rows
+        can be told apart (the caller evaluates it alone). The forward's rows are split into runs of
         consecutive positions (each request's scheduled tokens); a run is a request's when
         that request is the only sequence the run ends and spells. A run may start past
         `base` when the engine served the request's first tree block from another path's
@@ -86,8 +87,8 @@ class RowCapture:
         import torch
 
         kept, self._muser_kept = self._muser_kept, []
-        found: list[tuple[int, torch.Tensor] | None] = [None] * len(sequences)
-        for positions, ids, hidden, _ in kept:
+        found: list[tuple[int, torch.Tensor, dict] | None] = [None] * len(sequences)
+        for positions, ids, hidden, layers in kept:
             i = 0
             while i < len(positions):
                 j = i + 1
@@ -101,16 +102,20 @@ class RowCapture:
                 whole = {tuple(sequences[r]) for r in spelled}
                 free = [r for r in spelled if found[r] is None]
                 if len(whole) == 1 and free:  # (one sequence, sent once or more)
-                    keep_from = max(first, base)
-                    found[free[0]] = (keep_from, hidden[i + keep_from - first : j])
+                    at = slice(i + max(first, base) - first, j)
+                    found[free[0]] = (
+                        max(first, base),
+                        hidden[at],
+                        {k: rows[at] for k, rows in layers.items()},
+                    )
                 i = j
-        wanted = [h for _, h in (f for f in found if f is not None)]
+        wanted = [f[1] for f in found if f is not None]
         if not wanted:
             return [None] * len(sequences)
         rows = self._muser_logits(torch.cat(wanted))
         if rows is None:
             return None
-        out: list[tuple[int, bytes, tuple[int, int]] | None] = []
+        out: list[tuple[int, bytes, tuple[int, int], dict[int, bytes]] | None] = []
         at = 0
         for f in found:
             if f is None:
@@ -118,7 +123,10 @@ class RowCapture:
                 continue
             part = rows[at : at + len(f[1])]
             at += len(f[1])
-            out.append((f[0], part.tobytes(), part.shape))
+            layers = {
+                k: f[2][k].cpu().contiguous().numpy().tobytes() for k in sorted(self._muser_wanted)
+            }
+            out.append((f[0], part.tobytes(), part.shape, layers))
         return out
 
     def muser_take_rows(
