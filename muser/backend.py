@@ -150,6 +150,13 @@ def trees_on_held(backend: object) -> bool:
     return bool(getattr(backend, "trees_on_held", False))
 
 
+def tree_evaluator(seq: object) -> object:
+    """What evaluates token trees on the sequence `seq` (`evaluate_tree(seq, ...)`): `seq`
+    itself where it holds its one sequence (`trees_on_held`: vLLM, a conditioned draft),
+    else the backend it is a sequence of (a torch sequence's `owner`; None without one)."""
+    return seq if trees_on_held(seq) else getattr(seq, "owner", None)
+
+
 def evaluate_batch(
     backend: object, work: Sequence[tuple[ModelBackend, Sequence[int]]]
 ) -> list[np.ndarray]:

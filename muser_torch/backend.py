@@ -50,7 +50,6 @@ from muser_torch.batched import (
     TorchSequence,
     batch_inputs,
     mixed_inputs,
-    tree_inputs,
 )
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -312,7 +311,7 @@ class TorchBackend(HeldTokens):
         """A token tree after `seq`'s KV in one forward (DESIGN.md §4.1): `tokens[0]` is the
         root (the frontier), `tokens[i + 1]` node i, whose parent is `parents[i]` (-1: the
         root; else an earlier node). Each row sees the committed KV and its own ancestors in
-        the block, at position length + its depth (`muser_torch.batched.tree_inputs`), so
+        the block, at position length + its depth (`muser_torch.batched.mixed_inputs`), so
         it is the row a linear forward of its path would give, within float rounding.
         Returns float64 logits (len(tokens), vocab); the block's KV is held after `seq`'s
         length until `seq.keep_path` keeps the accepted path (nothing else reads it)."""
@@ -363,16 +362,10 @@ class TorchBackend(HeldTokens):
                 seq.length, len(x) if d is None else max(d) + 1, self.geometry.context_length
             )
         cache = BatchKv(seqs, [len(x) for x in ids])
-        if len(work) == 1 and parents[0] is not None:
-            rows, positions, mask = tree_inputs(
-                self._torch, seqs[0].length, ids[0], parents[0], depths[0], self._mask_dtype,
-                self._mask_lowest,
-            )  # fmt: skip
-        else:
-            rows, positions, mask = mixed_inputs(
-                self._torch, seqs, ids, parents, depths, cache.total, self._mask_dtype,
-                self._mask_lowest,
-            )  # fmt: skip
+        rows, positions, mask = mixed_inputs(
+            self._torch, seqs, ids, parents, depths, cache.total, self._mask_dtype,
+            self._mask_lowest,
+        )  # fmt: skip
         wanted = sorted({i for w in layers for i in w})
         logits, hidden = self._capturing(rows, positions, mask, cache, wanted)
         for seq, x, p in zip(seqs, ids, parents, strict=True):

@@ -246,8 +246,9 @@ def mixed_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]],
                  parents: list[Sequence[int] | None], depths: list[list[int] | None],
                  total: int, mask_dtype, mask_lowest):  # fmt: skip
     """`ragged_inputs` for a batch whose rows are chains (parents None: query j sees keys
-    [0, length + j]) or tree blocks (`tree_inputs`: an entry sees the committed keys and its
-    own path, at position length + its depth); padded queries repeat the last real one."""
+    [0, length + j]) or tree blocks (parents given: an entry sees the committed keys and the
+    block entries on its own path, itself and its ancestors, at position length + its depth);
+    padded queries repeat the last real one."""
     counts = [len(x) for x in ids]
     width = max(counts)
     rows = np.zeros((len(ids), width), dtype=np.int64)
@@ -274,28 +275,3 @@ def mixed_inputs(torch, seqs: list[TorchSequence], ids: list[list[int]],
         visible[i, n:] = visible[i, n - 1]
     mask = torch.from_numpy(np.where(visible, np.float32(0), mask_lowest)).to(mask_dtype)
     return torch.from_numpy(rows), torch.from_numpy(positions), mask
-
-
-def tree_inputs(torch, length: int, ids: list[int], parents: Sequence[int], depths: list[int],
-                mask_dtype, mask_lowest):  # fmt: skip
-    """A tree block's token row (1, W), positions (1, W) (length + depth) and additive mask
-    (1, W, length + W): entry j sees the committed keys [0, length) and the block entries on
-    its own path (itself and its ancestors)."""
-    width = len(ids)
-    visible = np.zeros((width, length + width), dtype=bool)
-    visible[:, :length] = True
-    for j in range(width):
-        k = j
-        while True:
-            visible[j, length + k] = True
-            if k == 0:
-                break
-            k = parents[k - 1] + 1
-    mask = np.where(visible, np.float32(0), mask_lowest)[None]
-    positions = (length + np.array(depths, dtype=np.int64))[None]
-    rows = np.array([ids], dtype=np.int64)
-    return (
-        torch.from_numpy(rows),
-        torch.from_numpy(positions),
-        torch.from_numpy(mask).to(mask_dtype),
-    )

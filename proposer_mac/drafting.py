@@ -59,7 +59,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from muser.backend import ModelBackend, MultiSequenceBackend, batches, trees_on_held
+from muser.backend import ModelBackend, MultiSequenceBackend, batches, tree_evaluator
 from muser.cursor import KvCursor, set_owner
 from muser.errors import RefusedError
 from muser.mt19937 import Mt19937
@@ -277,8 +277,7 @@ class Drafter:
     ):
         cursor = self.cursor
         seq = cursor.backend
-        # a torch draft's sequence is evaluated by its backend; a conditioned draft by itself
-        owner = seq if trees_on_held(seq) else getattr(seq, "owner", None)
+        owner = tree_evaluator(seq)
         if hasattr(seq, "candidates"):  # prompt lookup: rows from the tokens alone
             return self._lookup_tree(transcript, state, branching)
         if not hasattr(owner, "evaluate_tree"):

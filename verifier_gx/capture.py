@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from muser.backend import Geometry, ModelBackend, ModelIdentity
+from muser.backend import Geometry, ModelBackend, ModelIdentity, tree_evaluator
 from muser.errors import RefusedError
 
 
@@ -67,18 +67,11 @@ class CaptureTap:
             kept[first:end] = rows
 
     @property
-    def _tree_owner(self):
-        """What evaluates trees on the tapped sequence: a torch sequence's backend, or a
-        backend that holds its one sequence (vLLM)."""
-        seq = self.backend
-        return seq if getattr(seq, "trees_on_held", False) else getattr(seq, "owner", None)
-
-    @property
     def trees_on_held(self) -> bool:
         """Over a torch target's sequence (`TorchSequence`) or a vLLM target the tap
         evaluates token trees on it (`evaluate_tree(tap, ...)`, `keep_path`), keeping the
         root's and the kept path's rows: the local tree lane with a conditioned draft."""
-        return hasattr(self._tree_owner, "evaluate_tree_capture")
+        return hasattr(tree_evaluator(self.backend), "evaluate_tree_capture")
 
     def evaluate_tree(
         self, seq: CaptureTap, tokens: Sequence[int], parents: Sequence[int]
@@ -87,7 +80,7 @@ class CaptureTap:
         keeps the root's and the path's."""
         if seq is not self or not self.trees_on_held:
             raise TypeError("a capture tap evaluates trees on the target sequence it taps")
-        logits, self._block = self._tree_owner.evaluate_tree_capture(
+        logits, self._block = tree_evaluator(self.backend).evaluate_tree_capture(
             self.backend, tokens, parents, self.layers
         )
         return logits

@@ -27,7 +27,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from muser.backend import ModelBackend, trees_on_held
+from muser.backend import ModelBackend, tree_evaluator, trees_on_held
 from muser.mt19937 import Mt19937
 from muser.round import DEFAULT_Q_TOP_K, clip_emission
 from muser.sampling import SamplingParams, draft_row, target_probs
@@ -100,7 +100,7 @@ def run_local_tree(
     else:
         t_seq = target.sequence()
     d_seq = draft.fork() if lookup or conditioned else draft.sequence()
-    d_eval = d_seq if conditioned else draft  # (a conditioned draft evaluates on itself)
+    d_eval = tree_evaluator(d_seq)
     if len(prompt) > 1:
         t_seq.evaluate(list(prompt[:-1]))
         if not conditioned:  # (it reads the prompt once it has the target's rows)
