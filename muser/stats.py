@@ -158,8 +158,8 @@ class LaneStats:
     in `drafted` and its accepted path in `accepted`, so acceptance means what a chain's
     does: of the tokens a round could accept, those it did."""
     tree_shape: list[int] | None = None
-    """The shape its trees are drafted in (children per depth, root first; an adaptive
-    policy's current one); None: chains."""
+    """The shape its trees are drafted in, as nodes per depth (4,1,1,1 children per depth
+    is 4,4,4,4; an adaptive policy's current template); None: chains."""
     tree_policy: dict | None = None
     """The tree policy's own report (`muser.tree_width`), when the lane has one."""
     phases: dict[str, Histogram] = field(default_factory=_phase_histograms)

@@ -234,16 +234,20 @@ def validate_tree(
     check_probability_rows(witness, "witness")
 
 
-# --- shapes --------------------------------------------------------------------------------
+# --- depths --------------------------------------------------------------------------------
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (the root's children are at depth 1)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 + (depths[p] if p >= 0 else 0))
+    return depths
 
 
 def tree_depth(parents: Sequence[int]) -> int:
-    """The deepest node's depth (the root's children are at depth 1): the most drafts one
-    path of the tree can accept."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 + (depth[p] if p >= 0 else 0))
-    return max(depth, default=0)
+    """The deepest node's depth: the most drafts one path of the tree can accept."""
+    return max(node_depths(parents), default=0)
 
 
 def tree_depths(parents: Sequence[int], width: int) -> list[int]:
@@ -258,53 +262,6 @@ def tree_depths(parents: Sequence[int], width: int) -> list[int]:
             raise ValueError(f"node {i}: parent {parent} is not -1 (the root) or an earlier node")
         depths.append(depths[parent + 1] + 1)
     return depths
-
-
-def shape_nodes(branching: Sequence[int]) -> int:
-    """Most nodes a tree of this shape (children per position at each depth) holds."""
-    total, level = 0, 1
-    for k in branching:
-        level *= k
-        total += level
-    return total
-
-
-def full_parents(shape: Sequence[int]) -> tuple[int, ...]:
-    """The topology of the full tree of `shape` (children per position at each depth), laid
-    out breadth first as `draft_tree` lays out a tree whose rows have the support."""
-    parents: list[int] = []
-    level = [-1]
-    for k in shape:
-        deeper = []
-        for parent in level:
-            for _ in range(k):
-                parents.append(parent)
-                deeper.append(len(parents) - 1)
-        level = deeper
-    return tuple(parents)
-
-
-SHAPE_CAPS = (4, 3, 2)
-"""How wide `shape_for_budget` lets each depth grow, root first (2 past the third): the
-screen (docs/trees.md) found a wider first level earns most, deeper ones little."""
-
-
-def shape_for_budget(nodes: int, depth: int) -> list[int]:
-    """A tree shape of at most `nodes` nodes and at most `depth` deep: the chain of
-    min(depth, nodes) first, then each depth widened in turn, root first, up to its cap in
-    `SHAPE_CAPS`, while the budget holds (16 nodes 4 deep: 4,1,1,1; 28: 4,2,1,1; 64:
-    4,3,2,1). A budget of one node is a one-node chain; none, or no depth, is no tree."""
-    if nodes < 1 or depth < 1:
-        return []
-    shape = [1] * min(depth, nodes)
-    for level in range(len(shape)):
-        cap = SHAPE_CAPS[level] if level < len(SHAPE_CAPS) else 2
-        while shape[level] < cap:
-            shape[level] += 1
-            if shape_nodes(shape) > nodes:
-                shape[level] -= 1
-                break
-    return shape
 
 
 # --- drafting ------------------------------------------------------------------------------
@@ -336,26 +293,34 @@ RowsAt = Callable[[list[int], list[int], list[int]], list[SparseRow]]
 order) of the tree drafted so far (its nodes' parents and tokens)."""
 
 
-def draft_tree(rng: Mt19937, branching: Sequence[int], rows_at: RowsAt, greedy: bool) -> Tree:
-    """Draft a tree breadth first, one depth at a time: each position at depth d (the root
-    is depth 0) gets `branching[d]` children drawn from its row (fewer where the row's
-    support is smaller); past the last depth, none. One `rows_at` call a depth, so a draft
-    can evaluate a whole depth in one forward. `rng` advances by the drafting draws, in the
-    module note's order (positions of one depth come before the next depth's)."""
+def draft_tree(rng: Mt19937, template: Sequence[int], rows_at: RowsAt, greedy: bool) -> Tree:
+    """Draft a tree into `template` (a shape: the parents of the fullest tree, laid out
+    breadth first, siblings in rank order; `muser.tree_width`) breadth first, one depth at a
+    time: a position gets as many children, drawn from its row, as its template node has
+    (fewer where the row's support is smaller; none under a node the tree did not get). One
+    `rows_at` call a depth, for the positions that get children, so a draft can evaluate a
+    whole depth in one forward. `rng` advances by the drafting draws, in the module note's
+    order (positions of one depth come before the next depth's)."""
+    kids: dict[int, list[int]] = {}  # template position -> its children's template nodes
+    for node, parent in enumerate(template):
+        kids.setdefault(parent + 1, []).append(node)
     parents: list[int] = []
     tokens: list[int] = []
     rows: dict[int, SparseRow] = {}
-    level = [0]
-    for k in branching:
-        if k <= 0 or not level:
+    level = [(0, 0)]  # (position in the tree, position in the template)
+    while level:
+        level = [(v, t) for v, t in level if t in kids]
+        if not level:
             break
         deeper = []
-        for position, row in zip(level, rows_at(parents, tokens, level), strict=True):
+        got = rows_at(parents, tokens, [v for v, _ in level])
+        for (position, t), row in zip(level, got, strict=True):
             rows[position] = row
-            for token in draw_children(row, k, rng, greedy):
+            drawn = draw_children(row, len(kids[t]), rng, greedy)
+            for token, node in zip(drawn, kids[t], strict=False):
                 parents.append(position - 1)
                 tokens.append(token)
-                deeper.append(len(tokens))
+                deeper.append((len(tokens), node + 1))
         level = deeper
     return Tree(tuple(parents), tuple(tokens), tuple(rows.get(v) for v in range(len(tokens) + 1)))
 

@@ -38,8 +38,8 @@ of the pre-round state); a batched row may differ from the lone one in its last 
 which moves no distribution: the request carries the q rows the drafts were sampled from,
 and the verifier judges against those.
 
-Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree of a given shape
-(`muser.tree.draft_tree`: breadth first, one tree forward a depth on the session's own
+Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree into a given shape
+(a template, `muser.tree_width`; `muser.tree.draft_tree`: breadth first, one tree forward a depth on the session's own
 sequence of a torch draft, children drawn without replacement). Its forwards run inside the
 job, never as steps (a tree block has a mask of its own, so it does not batch with other
 sessions' steps). While a tree is at the verifier, `speculate_tree_steps` drafts the next
@@ -67,6 +67,7 @@ from muser.records import advance, draws_for_round
 from muser.round import DEFAULT_Q_TOP_K
 from muser.sampling import SamplingParams, SparseRow, argmax_lowest, draft_row, sample_ordered
 from muser.tree import draft_tree, per_path, tree_draws
+from muser.tree_width import most_children
 from proposer_mac.backends.ngram import no_proposal
 
 
@@ -215,15 +216,14 @@ class Drafter:
         return Draft(drafts, q_rows, runners_up)
 
     def tree_steps(
-        self, transcript: Sequence[int], state: Mt19937, branching: Sequence[int]
+        self, transcript: Sequence[int], state: Mt19937, template: Sequence[int]
     ) -> Steps[Draft]:
-        """A tree of shape `branching` (children per position at each depth, root first)
-        after `transcript` (which ends with the frontier), as steps that yield nothing: its
+        """A tree drafted into `template` (a shape, `muser.tree_width`) after `transcript` (which ends with the frontier), as steps that yield nothing: its
         forwards run here (module note). The draft's sequence is left holding the
         transcript, frontier included, with the frontier's row (the next round's draft
         evaluates what it emits after that)."""
         self._restore()
-        return self._tree(transcript, state, branching)
+        return self._tree(transcript, state, template)
         yield  # (a generator: the draft thread drives it like any draft)
 
     def speculate_tree_steps(
@@ -231,7 +231,7 @@ class Drafter:
         transcript: Sequence[int],
         state: Mt19937,
         current: Draft,
-        shape: Sequence[int],
+        template: Sequence[int],
         stop_tokens: Sequence[int],
         stop: threading.Event | None = None,
         guess: list[int] | None = None,
@@ -239,7 +239,7 @@ class Drafter:
         """The tree after the tree `current` (just drafted from `transcript`, `state`), on the
         guess that the judge takes the first child at every depth, down to a leaf, and that
         the next frontier is the draft's own pick there with the verifier's draw for it (the
-        chain's guess, `speculate_steps`, along the tree's first branch); drafted in `shape`.
+        chain's guess, `speculate_steps`, along the tree's first branch); drafted into `template`.
         `guess` is given the guessed emission once known. None when the cursor no longer
         stands where `current` left it or the draft makes no guess."""
         parents = list(current.parents)
@@ -260,10 +260,10 @@ class Drafter:
         emitted = [*(current.drafts[i] for i in path), bonus]
         if guess is not None:
             guess[:] = emitted  # read by the event loop's thread: one slice store
-        if any(t in stop_tokens for t in emitted) or not shape:
+        if any(t in stop_tokens for t in emitted) or not template:
             return Speculation(emitted, None, None)
         try:
-            proposal = self._tree([*transcript, *emitted], advance(state, draws), shape, stop)
+            proposal = self._tree([*transcript, *emitted], advance(state, draws), template, stop)
         except Stopped:
             return Speculation(emitted, None, None)
         return Speculation(emitted, None, proposal)
@@ -272,27 +272,27 @@ class Drafter:
         self,
         transcript: Sequence[int],
         state: Mt19937,
-        branching: Sequence[int],
+        template: Sequence[int],
         stop: threading.Event | None = None,
     ):
         cursor = self.cursor
         seq = cursor.backend
         owner = tree_evaluator(seq)
         if hasattr(seq, "candidates"):  # prompt lookup: rows from the tokens alone
-            return self._lookup_tree(transcript, state, branching)
+            return self._lookup_tree(transcript, state, template)
         if not hasattr(owner, "evaluate_tree"):
             raise RefusedError(
                 f"a tree round needs a draft that evaluates token trees on a sequence of its "
                 f"own (a torch or conditioned draft) or prompt lookup; {type(seq).__name__} is "
                 "neither (set lane.tree_nodes = 0)"
             )
-        if not branching or not getattr(seq, "ready", True):  # (a conditioned draft's rows)
+        if not template or not getattr(seq, "ready", True):  # (a conditioned draft's rows)
             return Draft([], [])
         frontier, greedy = int(transcript[-1]), self.params.greedy
         # greedy children are the row's largest weights: rows at T = 1, as wide as the most
         # children any position gets (the verifier replays the same top-k of the same row)
         params = dataclasses.replace(self.params, temperature=1.0) if greedy else self.params
-        width = max(branching) if greedy else self.q_top_k
+        width = most_children(template) if greedy else self.q_top_k
         cursor.hold(list(transcript[:-1]))
         root: list[np.ndarray] = []
 
@@ -303,7 +303,7 @@ class Drafter:
             root[:] = [logits[0]]
             return [draft_row(logits[v], params, width) for v in positions]
 
-        tree = draft_tree(state.copy(), branching, rows_at, greedy)
+        tree = draft_tree(state.copy(), template, rows_at, greedy)
         seq.keep_path([])  # the frontier's KV kept, the nodes' dropped
         cursor.record([frontier], np.asarray(root))
         return Draft(list(tree.tokens), list(tree.wire_rows()), parents=list(tree.parents))
@@ -313,26 +313,26 @@ class Drafter:
         transcript: Sequence[int],
         emitted: Sequence[int],
         post: Mt19937,
-        shape: Sequence[int],
+        template: Sequence[int],
         stop: threading.Event | None = None,
     ) -> Steps[Speculation]:
         """The tree after the tree in flight (drafted from `transcript`), drafted on the
         verifier's early decision before the signed result: after `transcript + emitted`
-        from `post`, in `shape` (its forwards run here, as `tree_steps`'); the very tree
+        from `post`, into `template` (its forwards run here, as `tree_steps`'); the very tree
         `tree_steps` drafts there once the result says the same."""
         self._rewind()
-        proposal = self._tree([*transcript, *emitted], post, shape, stop)
+        proposal = self._tree([*transcript, *emitted], post, template, stop)
         return Speculation(list(emitted), None, proposal)
         yield  # (a generator: the draft thread drives it like any draft)
 
-    def _lookup_tree(self, transcript: Sequence[int], state: Mt19937, branching: Sequence[int]):
+    def _lookup_tree(self, transcript: Sequence[int], state: Mt19937, template: Sequence[int]):
         """`_tree` for the n-gram draft: each position's row is `NgramDraft.candidates` after
         its path; the cursor is left holding the transcript, its last row the frontier's."""
-        if not branching:
+        if not template:
             return Draft([], [])
         self.cursor.sync(list(transcript))
         rows_at = per_path(self.cursor.backend.candidates)
-        tree = draft_tree(state.copy(), branching, rows_at, self.params.greedy)
+        tree = draft_tree(state.copy(), template, rows_at, self.params.greedy)
         return Draft(list(tree.tokens), list(tree.wire_rows()), parents=list(tree.parents))
 
     def speculate(

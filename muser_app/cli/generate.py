@@ -187,7 +187,7 @@ def _tree_rows(s) -> list[tuple[str, str]]:
         return []
     per_round = s.tree_nodes / max(1, s.rounds)
     shape = ",".join(map(str, s.tree_shape))
-    return [("tree", f"shape {shape}, {s.tree_nodes} nodes ({per_round:.1f} a round)")]
+    return [("tree", f"nodes per depth {shape}; {s.tree_nodes} nodes ({per_round:.1f} a round)")]
 
 
 def _by_width(hist: dict[int, int]) -> str:

@@ -273,7 +273,7 @@ def qualify(
     from cluster_config import qualification
     from cluster_config.qualification import MIN_TOKENS, QualificationFailed
     from muser import keys
-    from muser.tree import shape_for_budget
+    from muser.tree_width import shape_for_budget
     from muser_app.checks import check_config
     from muser_app.cli._common import encode_prompt
     from muser_app.pairs import check_pair, pair_prompts

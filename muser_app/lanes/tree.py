@@ -120,13 +120,13 @@ def run_local_tree(
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
-        shape = policy.choose(params.max_tokens - len(out))
+        template = policy.choose(params.max_tokens - len(out))
         if conditioned:  # before the first round's rows it drafts nothing (local.py's note)
-            shape = shape if d_seq.ready else []
+            template = template if d_seq.ready else ()
             held = [*prompt, *out][d_seq.length : -1]  # what it has not read yet
-            if shape and held:
+            if template and held:
                 d_seq.evaluate(held)
-        tree = draft_tree(rng.copy(), shape, rows_at, params.greedy) if shape else None
+        tree = draft_tree(rng.copy(), template, rows_at, params.greedy) if template else None
         t1 = time.perf_counter()
         if tree is None or tree.size == 0:  # a plain step: the bonus from the frontier's row
             logits = t_seq.evaluate([frontier])

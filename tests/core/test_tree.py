@@ -31,10 +31,9 @@ from muser.tree import (
     judge_tree_reference,
     per_path,
     replay_tree,
-    shape_for_budget,
-    shape_nodes,
     tree_draws,
 )
+from muser.tree_width import full_parents
 from muser.verify import judge_round
 from tests.lanes.test_joint_distribution import Z_BOUND, wilson_hilferty
 
@@ -63,10 +62,12 @@ def last_token(frontier: int, path: list[int]) -> int:
     return path[-1] if path else frontier
 
 
-def round_of(rng: Mt19937, frontier: int, branching, greedy: bool, target=TARGET, draft=DRAFT):
-    """Draft a tree after `frontier` and the target's witness rows at its positions."""
+def round_of(rng: Mt19937, frontier: int, shape, greedy: bool, target=TARGET, draft=DRAFT):
+    """Draft a tree after `frontier` and the target's witness rows at its positions; `shape`
+    is children per depth (a list) or a template (a tuple of parents)."""
+    template = full_parents(shape) if isinstance(shape, list) else shape
     tree = draft_tree(
-        rng, branching, per_path(lambda path: draft[last_token(frontier, path)]), greedy
+        rng, template, per_path(lambda path: draft[last_token(frontier, path)]), greedy
     )
     ends = [frontier] + [tree.tokens[i] for i in range(tree.size)]
     witness = np.stack([target[t] for t in ends])
@@ -103,10 +104,16 @@ def test_a_chain_is_judged_exactly_as_the_linear_round(seed, depth, greedy):
 # --- fast and reference ----------------------------------------------------------------------
 
 
+TEMPLATES = st.lists(st.integers(0, 99), min_size=1, max_size=8).map(
+    lambda xs: tuple(x % (i + 1) - 1 for i, x in enumerate(xs))
+)
+"""Any template (node i's parent: the root or an earlier node), not only uniform ones."""
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    branching=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    branching=st.lists(st.integers(1, 3), min_size=1, max_size=3) | TEMPLATES,
     frontier=st.integers(0, VOCAB - 1),
     greedy=st.booleans(),
 )
@@ -118,6 +125,18 @@ def test_the_fast_judge_equals_the_float64_reference(seed, branching, frontier, 
     assert fast.draws >= 1 or greedy
     # what a result's reader recomputes from its topology and path (muser.records)
     assert tree_draws(fast_tree.parents, fast.path, greedy) == fast.draws
+
+
+def test_a_tree_is_drafted_into_its_template():
+    """Each position gets its template node's children, drawn in rank order; a row whose
+    support is smaller gives fewer, and a child it could not give has no subtree."""
+    template = (-1, -1, 0, 0, 0, 1)  # the root: 2 children; its first: 3; its second: 1
+    for greedy in (True, False):
+        tree, _ = round_of(Mt19937.from_seed(3), 1, template, greedy)
+        assert tree.parents == template
+        wide = (-1, -1, -1, -1, 3, 3, 0)  # the root's fourth child has two; the rows hold 3
+        tree, _ = round_of(Mt19937.from_seed(3), 1, wide, greedy)
+        assert tree.parents == (-1, -1, -1, 0)
 
 
 def test_draws_follow_the_written_order():
@@ -180,7 +199,15 @@ def exact_joint(frontier: int) -> dict[tuple[int, ...], float]:
     return joint
 
 
-@pytest.mark.parametrize("branching", [[2, 2], [3, 1, 1], [1, 3]])
+#        root          a template no uniform shape spells (a best-first one's kind:
+#      /  |  \         wide at the root, the first guess followed deeper)
+#     0   1   2
+#    / \   |
+#   3   4  5
+BEST_FIRST_LIKE = (-1, -1, -1, 0, 0, 1)
+
+
+@pytest.mark.parametrize("branching", [[2, 2], [3, 1, 1], [1, 3], BEST_FIRST_LIKE])
 def test_the_first_three_tokens_are_distributed_as_the_target_alone(branching):
     frontier, runs = 1, 12_000
     exact = exact_joint(frontier)
@@ -293,22 +320,6 @@ def test_an_accepted_path_must_descend_from_the_root():
                      ((0, 2, 9), "node 9 is not")]:  # fmt: skip
         with pytest.raises(TreeTopologyError, match=why):
             check_path(parents, bad)
-
-
-@pytest.mark.parametrize(
-    ("nodes", "depth", "shape"),
-    [(4, 4, [1, 1, 1, 1]), (8, 4, [2, 1, 1, 1]), (16, 4, [4, 1, 1, 1]), (28, 4, [4, 2, 1, 1]),
-     (64, 4, [4, 3, 2, 1]), (3, 4, [1, 1, 1]), (10, 2, [4, 1]), (0, 4, []), (8, 0, [])],
-)  # fmt: skip
-def test_a_node_budget_gives_its_shape(nodes, depth, shape):
-    assert shape_for_budget(nodes, depth) == shape
-
-
-@given(nodes=st.integers(1, 64), depth=st.integers(1, 8))
-def test_a_shape_fits_its_budget_and_depth(nodes, depth):
-    shape = shape_for_budget(nodes, depth)
-    assert 1 <= shape_nodes(shape) <= nodes and len(shape) <= depth
-    assert all(k >= 1 for k in shape)
 
 
 def test_tree_records_are_their_own_domain():

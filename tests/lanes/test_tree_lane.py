@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from muser.sampling import SamplingParams
-from muser.tree import shape_nodes
+from muser.tree_width import shape_nodes
 from muser_app.fixtures import build_fixtures, natural_prompts
 from muser_app.lanes.plain import run_plain
 from muser_app.lanes.tree import parse_branching, run_local_tree

@@ -14,6 +14,7 @@ from muser.errors import ContextOverflowError, InvalidOverrideError, RollbackErr
 from muser.identity import require_shared_tokenizer
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, draft_row
+from muser.tree_width import full_parents
 from proposer_mac.backends.ngram import NgramDraft, no_proposal
 from proposer_mac.drafting import Drafter
 
@@ -199,7 +200,7 @@ def test_a_lookup_tree_follows_the_earlier_passages() -> None:
     seq = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 3, 5, 6]
     params = SamplingParams(temperature=0.0, max_tokens=32)
     drafter = Drafter(ngram(2, 3), params)
-    tree = drafter.run(drafter.tree_steps(seq, Mt19937.from_seed(1), [2, 1, 1]))
+    tree = drafter.run(drafter.tree_steps(seq, Mt19937.from_seed(1), full_parents([2, 1, 1])))
     chain = Drafter(ngram(2, 3), params)
     line = chain.run(chain.draft_steps(seq, Mt19937.from_seed(1), 3))
     assert [tree.drafts[i] for i in first_branch(tree.parents)] == line.drafts == [7, 3, 5]

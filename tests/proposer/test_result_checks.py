@@ -22,6 +22,7 @@ from muser.records import (
 )
 from muser.sampling import SamplingParams, draft_row, target_probs
 from muser.tree import draft_tree, judge_tree, per_path
+from muser.tree_width import full_parents
 from muser.verify import judge_round
 from proposer_mac.drafting import Drafter
 from proposer_mac.session import ProposerSession, ResultRejected
@@ -199,7 +200,7 @@ def honest_tree_round(session: ProposerSession, proposer_key, verifier_key, bran
         return backend.evaluate([*transcript, *path])[-1]
 
     rows = per_path(lambda path: draft_row(last_row(FakeBackend(order=1, salt=1), path), params, 8))
-    tree = draft_tree(session.state.copy(), list(branching), rows, params.greedy)
+    tree = draft_tree(session.state.copy(), full_parents(branching), rows, params.greedy)
     signed_req = session.build_request(
         list(tree.tokens), list(tree.wire_rows()), proposer_key, parents=tree.parents
     )

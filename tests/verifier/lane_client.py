@@ -27,6 +27,7 @@ from muser.records import (
 )
 from muser.round import clip_emission, plan_depth
 from muser.sampling import SamplingParams
+from muser.tree_width import full_parents
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from muser.wire import muser_v2_pb2_grpc as pb_grpc
@@ -192,7 +193,8 @@ class LaneClient:
         depth = plan_depth(self.draft_len, remaining)
         if self.tree_shape:
             depth = min(len(self.tree_shape), remaining - 1)
-            steps = self.drafter.tree_steps(self.transcript, self.mt, self.tree_shape[:depth])
+            template = full_parents(self.tree_shape[:depth])
+            steps = self.drafter.tree_steps(self.transcript, self.mt, template)
             proposal = self.drafter.run(steps)
         else:
             proposal = self.drafter.draft(self.transcript, self.mt, depth)
