@@ -227,11 +227,12 @@ class Lane(_Strict):
         le=64,
         description="Token trees (DESIGN.md §4.1): each round drafts a tree of at most this "
         "many nodes, draft_len deep, and the verifier judges every branch in one target "
-        'call. With width = "fixed" every tree has the budget\'s shape; with "adaptive" '
-        "each session learns among a few shapes (no draft, the chain, wider trees) from its "
-        "results and round times (docs/trees.md). 0: chains. Both daemons read it: the "
-        "verifier judges trees of at most this many nodes, and only on a torch target; the "
-        "proposer needs a torch draft. A session that captures hidden rows sends chains.",
+        'call. With width = "fixed" every tree has the budget\'s uniform shape; with '
+        '"adaptive" each session learns its size (no draft, the chain, trees of 2, 4 and 7 '
+        "times draft_len nodes, the budget) from its results and round times, and draws each "
+        "tree best first from the acceptance by rank it measured (docs/trees.md). 0: chains. "
+        "Both daemons read it: the verifier judges trees of at most this many nodes (torch or "
+        "vLLM target); the proposer drafts them with a torch, conditioned or n-gram draft.",
     )
     q_top_k: int = Field(
         DEFAULT_Q_TOP_K,

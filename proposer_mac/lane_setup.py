@@ -54,7 +54,7 @@ def session_capture_layers(lane: Lane, draft) -> tuple[int, ...]:
 def session_tree(lane: Lane, draft_len: int) -> TreePolicy | None:
     """A session's tree policy (`muser.tree_width`): trees of lane.tree_nodes nodes, as deep
     as the D it asked for (or lane.draft_len), in the budget's shape (lane.width "fixed") or
-    learning among shapes (lane.width "adaptive"); None (chains) without a budget or without
+    learning its size and shape (lane.width "adaptive"); None (chains) without a budget or without
     a depth. A capturing session's trees need a verifier that offers `capture-trees`."""
     depth = draft_len or lane.draft_len
     if not lane.tree_nodes or depth < 1:

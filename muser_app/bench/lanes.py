@@ -220,7 +220,7 @@ def build_lanes(
     `target_device`: where the plain and local lanes run the target (the peers run on CPU,
     so they are skipped, with a note, on any other device). `tree_nodes`: add `local-tree`,
     the local tree lane with trees of at most that many nodes, draft_len deep, in the
-    budget's shape, and `local-tree-adaptive`, learning among shapes (`muser.tree_width`)."""
+    budget's shape, and `local-tree-adaptive`, learning size and shape (`muser.tree_width`)."""
     from muser_app.bench.vllm_peer import PEER, default_vllm_python
     from proposer_mac.backends import load_draft_backend
     from verifier_gx.backends import load_target_backend

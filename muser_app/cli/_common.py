@@ -149,7 +149,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def local_tree(args: argparse.Namespace):
     """The local lane's tree policy from --tree-nodes (`muser.tree_width`: trees as deep as
-    --draft-len, in the budget's shape, or learning among shapes with --width adaptive);
+    --draft-len, in the budget's shape, or learning size and shape with --width adaptive);
     None: chains."""
     from muser.tree_width import tree_policy
 

@@ -60,7 +60,7 @@ def register(sub, name: str, help_text: str) -> None:
         default=0,
         metavar="N",
         help="also run the local tree lanes: trees of at most N nodes, --draft-len deep, in the "
-        "budget's shape (local-tree) and learning among shapes (local-tree-adaptive; "
+        "budget's shape (local-tree) and learning size and shape (local-tree-adaptive; "
         "docs/trees.md); the cluster's tree lane is a variant, e.g. --cluster-variant "
         "'tree: lane.tree_nodes=N'",
     )

@@ -46,8 +46,9 @@ width = "adaptive"
 # tokens a draftless round (D = 0) asks the verifier to decode itself
 decode_len = 8
 # token trees: each round drafts a tree of at most this many nodes, draft_len deep, judged
-# in one target call (torch draft and target; docs/trees.md); with width = "adaptive" each
-# session learns which shape pays (no draft, the chain, wider trees); 0 = chains
+# in one target call (docs/trees.md); with width = "adaptive" each session learns which
+# size pays (no draft, the chain, wider trees) and draws each tree best first from its
+# measured acceptance; 0 = chains
 tree_nodes = {tree_nodes}
 q_top_k = {q_top_k}
 # draft the rounds of concurrent sessions together, one batched draft forward per step
