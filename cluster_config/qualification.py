@@ -16,7 +16,8 @@ JSON, a carrier only:
                 "backend", "dtype", "device"},
      "draft":  {... the same seven fields, from the proposer's draft},
      "lane":   {every [lane] knob but receipt and acceptance_floor: draft_len,
-                draft_len_min, draft_len_max, q_top_k, capture_layers, ...},
+                draft_len_min, draft_len_max, q_top_k, capture_layers (the layers the
+                sessions ask for: a conditioned draft's own when the knob is empty), ...},
      "evidence": {"prompts", "prompts_digest", "tokens_per_prompt", "tolerance",
                   "rows_compared", "worst_logprob_diff", "drafted", "accepted",
                   "acceptance"},
@@ -208,7 +209,30 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
             node.dtype,
             device_kind(node.device),
         )
-    return Binding(software_version(), sides["target"], sides["draft"], lane_params(config.lane))
+    lane = lane_params(config.lane)
+    lane["capture_layers"] = session_capture_layers(config, receipt)
+    return Binding(software_version(), sides["target"], sides["draft"], lane)
+
+
+def session_capture_layers(config: ClusterConfig, receipt: Receipt | None = None) -> list[int]:
+    """The target layers whose rows the lane's sessions ask for, as the receipt binds them:
+    lane.capture_layers, or a conditioned draft's own (declared in its checkpoint, which
+    lane.capture_layers, when set, must equal: `proposer_mac.lane_setup`); on a verifier
+    without the draft's files, the receipt's (its draft binding stands in likewise)."""
+    from muser.errors import ModelLoadError
+    from muser.identity import declared_capture_layers
+
+    if config.lane.capture_layers or config.proposer.backend != "conditioned":
+        return list(config.lane.capture_layers)
+    if receipt is not None and not draft_files_here(config):
+        return list(receipt.binding.lane.get("capture_layers", []))
+    try:
+        return list(declared_capture_layers(config.proposer.draft))
+    except ModelLoadError as exc:
+        raise QualificationError(
+            f"cannot read the capture layers proposer.draft declares ({exc}): the receipt "
+            "binds them, so its files must be at proposer.draft here too"
+        ) from exc
 
 
 def device_kind(device: str) -> str:

@@ -188,6 +188,30 @@ def draft_identity(backend: str, path: str | os.PathLike[str]) -> ModelIdentity:
     return ngram_identity(ident) if backend == "ngram" else ident
 
 
+CONDITIONED_META_KEY = "muser_conditioned"
+"""The config.json key under which a conditioned draft declares what it reads and how
+(`proposer_mac.backends.conditioned_meta`)."""
+
+
+def declared_capture_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The target decoder layers a conditioned draft checkpoint declares it reads (its
+    config.json's `muser_conditioned.capture_layers`); () for any other checkpoint. Reads
+    one JSON file and loads no model; ModelLoadError when that file is unreadable."""
+    config_path = Path(path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path}: unreadable ({exc})") from exc
+    meta = config.get(CONDITIONED_META_KEY) if isinstance(config, dict) else None
+    layers = meta.get("capture_layers", ()) if isinstance(meta, dict) else ()
+    if not isinstance(layers, list | tuple) or not all(isinstance(x, int) for x in layers):
+        raise ModelLoadError(
+            f"{config_path}: {CONDITIONED_META_KEY}.capture_layers is {layers!r}; expected a "
+            "list of decoder layer ids"
+        )
+    return tuple(layers)
+
+
 def require_shared_tokenizer(target: ModelIdentity, draft: ModelIdentity) -> None:
     """Refuse a draft whose tokenizer or vocabulary size differs from the target's (§8)."""
     same_tokenizer = target.tokenizer_digest == draft.tokenizer_digest

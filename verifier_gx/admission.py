@@ -7,7 +7,7 @@ expected. Nothing here draws from an MT state it keeps or touches the target.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cluster_config.schema import Limits
 from muser.backend import ModelIdentity
@@ -70,6 +70,17 @@ def check_identities(
                 f"{what} {got!r} in the request differs from the verifier's loaded target: "
                 f"{expected!r}"
             )
+
+
+def check_qualified_capture(o: SessionOpen, qualified: Sequence[int] | None) -> None:
+    """A session asks for the capture layers its lane was qualified with (the receipt binds
+    them: lane.capture_layers, or a conditioned draft's own), none other."""
+    if qualified is not None and sorted(set(o.capture_layers)) != sorted(set(qualified)):
+        raise CaptureLayerError(
+            f"capture layers {list(o.capture_layers)} requested; this lane was qualified with "
+            f"{list(qualified)} (lane.capture_layers, or the conditioned draft's own): open the "
+            "session with those, or run `muser qualify` for the new ones"
+        )
 
 
 def check_params(

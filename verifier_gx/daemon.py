@@ -146,9 +146,9 @@ def create_server(
     `unqualified="why"` skips that check, logged as a warning: tests that drive a fake or
     tiny random target pass it; `serve` never does."""
     private, proposers, verifiers = load_keys(config)
-    qualified_draft = None
+    qualified_draft = qualified_capture = None
     if unqualified is None:
-        qualified_draft = _qualified_draft(config)
+        qualified_draft, qualified_capture = _qualified_lane(config)
     else:
         log.warning("serving an UNQUALIFIED lane (no receipt checked): %s", unqualified)
     if backend is None:
@@ -177,6 +177,7 @@ def create_server(
             limits=config.limits,
             clock=clock,
             qualified_draft=qualified_draft,
+            qualified_capture=qualified_capture,
             max_decode_len=config.lane.decode_len,
             max_drafts=config.lane.draft_len_max,
             max_tree_nodes=config.lane.tree_nodes,
@@ -217,11 +218,13 @@ def create_server(
     return server, port
 
 
-def _qualified_draft(config: ClusterConfig) -> tuple[str, str] | None:
-    """The (model, tokenizer) digests of the draft the lane's receipt qualified; refuses
-    (QualificationError) without a matching receipt."""
-    draft = qualification.require_receipt(config).binding.draft
-    return draft.model_digest, draft.tokenizer_digest
+def _qualified_lane(config: ClusterConfig) -> tuple[tuple[str, str], tuple[int, ...]]:
+    """The (model, tokenizer) digests of the draft the lane's receipt qualified, and the
+    capture layers it qualified its sessions with; refuses (QualificationError) without a
+    matching receipt."""
+    binding = qualification.require_receipt(config).binding
+    draft = binding.draft
+    return (draft.model_digest, draft.tokenizer_digest), tuple(binding.lane["capture_layers"])
 
 
 async def _serve(config: ClusterConfig) -> None:

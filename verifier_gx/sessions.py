@@ -77,6 +77,7 @@ from verifier_gx import journal, replay
 from verifier_gx.admission import (
     check_identities,
     check_params,
+    check_qualified_capture,
     check_room,
     read_prompt,
 )
@@ -128,6 +129,7 @@ class SessionManager:
         limits: Limits,
         clock: Callable[[], float] = time.monotonic,
         qualified_draft: tuple[str, str] | None = None,
+        qualified_capture: tuple[int, ...] | None = None,
         max_decode_len: int = 1,
         max_drafts: int = 64,
         max_tree_nodes: int = 0,
@@ -143,6 +145,8 @@ class SessionManager:
         durable store behind the fragment stage (verifier_gx.fragments; None: memory only)."""
         self.log, self.backend, self.limits, self.clock = log, backend, limits, clock
         self.qualified_draft = qualified_draft
+        self.qualified_capture = qualified_capture
+        """The capture layers the lane's receipt qualified (None: an unqualified lane)."""
         """(model digest, tokenizer digest) of the draft the lane's receipt qualified; sessions
         opened with another draft are refused (None: not checked, e.g. unqualified tests)."""
         self.stats = VerifierStats(clock=clock)
@@ -284,6 +288,7 @@ class SessionManager:
             message = o.signed_message(req.epoch, req.resume)
             keys.verify(public, message, req.signature, "session open")
             check_identities(o, self.target, self.qualified_draft)
+            check_qualified_capture(o, self.qualified_capture)
             check_params(
                 o,
                 self.limits,

@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from muser.backend import ModelIdentity
 from muser.errors import InvalidOverrideError, ModelLoadError, RefusedError
+from muser.identity import CONDITIONED_META_KEY
 
 ARCHITECTURE = "MuserConditionedDraft"
-META_KEY = "muser_conditioned"
+META_KEY = CONDITIONED_META_KEY
 FeatureDtype = Literal["float16", "float32"]
 FEATURE_DTYPES: tuple[FeatureDtype, ...] = ("float16", "float32")
 

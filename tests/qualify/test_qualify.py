@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from importlib.metadata import version
@@ -166,7 +168,6 @@ def test_verifier_process_refuses_to_start_without_a_receipt(new_cluster):
 
 
 def test_verifier_process_refuses_after_a_weight_changed(new_cluster, fixture_pair, tmp_path):
-    import shutil
 
     target = tmp_path / "target-copy"
     shutil.copytree(fixture_pair.target, target)
@@ -236,7 +237,6 @@ def test_verifier_refuses_a_receipt_signed_by_another_key(qualified, capsys):
 def test_verifier_refuses_after_the_target_config_changed(
     new_cluster, fixture_pair, tmp_path, capsys
 ):
-    import shutil
 
     target = tmp_path / "target-copy"
     shutil.copytree(fixture_pair.target, target)
@@ -450,3 +450,67 @@ def test_a_verifier_without_the_draft_files_binds_the_receipts_draft_at_open(
     qualified.write_text(head + sep + rest.replace('backend = "torch"\n', 'backend = "mlx"\n', 1))
     with pytest.raises(q.QualificationError, match="draft backend"):
         q.require_receipt(load_config(qualified))
+
+
+# --- a conditioned lane: the receipt binds the layers its draft reads ---------------------------
+
+
+def test_a_conditioned_lane_binds_the_capture_layers_its_draft_reads(fixture_pair, tmp_path):
+    """lane.capture_layers is empty; the conditioned draft's checkpoint declares the layers
+    its sessions ask for, and the receipt binds those: the verifier refuses a session that
+    asks for others, a verifier without the draft's files takes the receipt's, and a
+    receipt for other layers is for another lane."""
+    from types import SimpleNamespace
+
+    from muser.errors import CaptureLayerError
+    from muser.identity import declared_capture_layers
+    from muser_app.cli.config import init_cluster
+    from muser_app.pairs import pair_conditioned_draft
+    from verifier_gx.admission import check_qualified_capture
+
+    draft = pair_conditioned_draft("toy", progress=False)
+    path = init_cluster(tmp_path / "c", target=fixture_pair.target, draft=draft)
+    config = load_config(path)
+    assert config.proposer.backend == "conditioned" and config.lane.capture_layers == []
+    declared = list(declared_capture_layers(draft))
+    assert declared and q.binding_of(config).lane["capture_layers"] == declared
+    evidence = q.Evidence(1, "00" * 32, 256, 1e-4, 256, 1e-6, 100, 80)
+    q.write_receipt(config.lane.receipt, q.sign(q.binding_of(config), evidence,
+                                                keys.load_private(config.verifier.key)))  # fmt: skip
+    assert q.require_receipt(config).binding.lane["capture_layers"] == declared
+
+    from verifier_gx.daemon import _qualified_lane
+
+    _, qualified = _qualified_lane(config)
+    assert list(qualified) == declared
+    check_qualified_capture(SimpleNamespace(capture_layers=declared), qualified)
+    for other in ([], declared[:1], [*declared, 0 if 0 not in declared else 1]):
+        with pytest.raises(CaptureLayerError, match=re.escape(f"qualified with {declared}")):
+            check_qualified_capture(SimpleNamespace(capture_layers=other), qualified)
+
+    # the verifier's machine without the draft's files: the receipt's layers stand in
+    edit(path, f'draft = "{draft}"', f'draft = "{tmp_path / "on-the-mac"}"')
+    elsewhere = load_config(path)
+    assert (
+        q.binding_of(elsewhere, q.read_receipt(config.lane.receipt)).lane["capture_layers"]
+        == declared
+    )
+    assert _qualified_lane(elsewhere)[1] == tuple(declared)
+    with pytest.raises(q.QualificationError, match="cannot digest proposer.draft"):
+        q.binding_of(elsewhere)  # (no receipt to stand in: the files must be here)
+
+    # a checkpoint whose declared layers are no list of layer ids: refused, naming them
+    broken = tmp_path / "broken"
+    shutil.copytree(draft, broken)
+    meta = json.loads((broken / "config.json").read_text())
+    meta["muser_conditioned"]["capture_layers"] = "2,4"
+    (broken / "config.json").write_text(json.dumps(meta))
+    edit(path, f'draft = "{tmp_path / "on-the-mac"}"', f'draft = "{broken}"')
+    with pytest.raises(q.QualificationError, match=r"cannot read the capture layers .*'2,4'"):
+        q.binding_of(load_config(path))
+
+    # lane.capture_layers naming other layers than the receipt's: another lane
+    edit(path, f'draft = "{broken}"', f'draft = "{draft}"')
+    edit(path, "\n[lane]\n", f"\n[lane]\ncapture_layers = {declared[:1]}\n")
+    with pytest.raises(q.QualificationError, match=r"lane.capture_layers: qualified"):
+        q.require_receipt(load_config(path))

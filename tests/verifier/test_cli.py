@@ -39,7 +39,7 @@ verifier_gx.backends.load_target_backend = lambda kind, path, **opts: FakeBacken
 import cluster_config.qualification  # the fake target has no checkpoint to qualify
 cluster_config.qualification.require_receipt = lambda config: None
 import verifier_gx.daemon  # so no receipt names a qualified draft either
-verifier_gx.daemon._qualified_draft = lambda config: None
+verifier_gx.daemon._qualified_lane = lambda config: (None, None)
 import cluster_config.rules as rules  # nor a checkpoint directory to check
 rules.RULES = tuple(r for r in rules.RULES if r is not rules.model_directories)
 from muser_app.cli.verifier import register
