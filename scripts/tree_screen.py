@@ -175,7 +175,11 @@ def plot(rows: list[dict], pair: str, path: Path, draft: str = "trained") -> Non
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for learned, color in ((False, "C0"), (True, "C3")):
         kind = "best-first, learned" if learned else "children per depth"
-        for temperature, style in ((0.0, "o-"), (1.0, "s--")):
+        # uniform shapes share node counts (16,1,1,1 and 4,3,2,1): points, not a line
+        for temperature, style in (
+            (0.0, "o-" if learned else "o"),
+            (1.0, "s--" if learned else "s"),
+        ):
             mine = sorted(
                 (r for r in rows if r["temperature"] == temperature
                  and r["shape"].startswith("best:") == learned),
