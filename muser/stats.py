@@ -130,7 +130,9 @@ class LaneStats:
     speculated: int = 0
     """Rounds drafted ahead, on the guess that the round before is fully accepted."""
     speculation_hits: int = 0
-    """Speculative drafts used (the guess held); the rest were drafted again."""
+    """Speculative drafts used: a guess that held, or a draft made on the early decision."""
+    guess_hits: int = 0
+    """Of those, the guesses (drafted before the decision was known) that held."""
     branch_hits: int = 0
     """Speculation hits on a round that rejected a draft: the guess drafted on the draft's
     runner-up at the rejection held (greedy branches)."""
@@ -216,7 +218,7 @@ class LaneStats:
         for name in (
             "rounds", "drafted", "accepted", "emitted", "wall_s", "draft_s", "verify_s",
             "transport_s", "wal_s", "sign_s", "speculated", "speculation_hits", "speculation_s",
-            "queue_full_retries", "decisions_followed", "branch_hits", "sent_ahead",
+            "queue_full_retries", "decisions_followed", "branch_hits", "guess_hits", "sent_ahead",
             "ahead_void", "moves", "capture_bytes", "feature_install_s", "tree_nodes",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -275,6 +277,7 @@ class LaneStats:
                 "rounds": self.speculated,
                 "hits": self.speculation_hits,
                 "branch_hits": self.branch_hits,
+                "guess_hits": self.guess_hits,
                 "on_decision": self.decisions_followed,
                 "sent_ahead": self.sent_ahead,
                 "ahead_void": self.ahead_void,

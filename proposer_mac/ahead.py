@@ -59,6 +59,8 @@ class Taken:
     """Seconds waited for it."""
     branch_hit: bool
     """A branch on a rejected draft drafted it."""
+    guessed: bool
+    """Drafted on a guess of the outcome, not on the verifier's decision."""
 
 
 class DraftingAhead:
@@ -176,7 +178,7 @@ class DraftingAhead:
             spec.drop()
         self.stats.decisions_followed += 1
         future = self.core.drafts.draft(self.drafter, steps)
-        return Speculating(future, threading.Event(), emitted[:-1], emitted)
+        return Speculating(future, threading.Event(), emitted[:-1], emitted, decided=True)
 
     def _follow_tree(
         self, spec: Speculating | None, current: Draft, d: pb.Decision, emitted: list[int]
@@ -201,7 +203,7 @@ class DraftingAhead:
             spec.drop()
         self.stats.decisions_followed += 1
         future = self.core.drafts.draft(self.drafter, steps)
-        return Speculating(future, stop, emitted[:-1], emitted)
+        return Speculating(future, stop, emitted[:-1], emitted, decided=True)
 
     async def next_draft(
         self, speculation: Speculating | None, tokens: list[int]
@@ -226,6 +228,7 @@ class DraftingAhead:
         """A draft made ahead was used."""
         self.stats.speculation_hits += 1
         self.stats.branch_hits += taken.branch_hit
+        self.stats.guess_hits += taken.guessed
 
     async def take(
         self, speculation: Speculating, tokens: list[int], depth: int | None, miss: bool = True
@@ -252,7 +255,8 @@ class DraftingAhead:
             held = held.speculation
         else:
             self.drafter.adopt()
-        return Taken(held.proposal, 0.0 if ready else time.perf_counter() - t0, branch_hit)
+        waited = 0.0 if ready else time.perf_counter() - t0
+        return Taken(held.proposal, waited, branch_hit, guessed=not speculation.decided)
 
 
 def told_emission(current: Draft, d: pb.Decision) -> list[int] | None:

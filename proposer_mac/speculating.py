@@ -32,6 +32,8 @@ class Speculating:
     """Branches: the emission the verifier decided, once known (the others then stop)."""
     told: list[int] = field(default_factory=list)
     """What the verifier decided the round in flight emits, once known (empty until then)."""
+    decided: bool = False
+    """Drafted on the verifier's early decision, not on a guess."""
 
     def choose(self, emitted: list[int]) -> None:
         """The round emits `emitted`, one of the branches: only that one goes on."""

@@ -121,7 +121,7 @@ def cluster_lanes(
         yield lanes
 
 
-AHEAD = ("rounds", "hits", "on_decision", "sent_ahead", "ahead_void")
+AHEAD = ("rounds", "hits", "guess_hits", "on_decision", "sent_ahead", "ahead_void")
 """What a cluster run's `Sample.ahead` keeps of the proposer's `speculation` stats."""
 
 

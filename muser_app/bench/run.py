@@ -248,11 +248,13 @@ def write_receipt(path: Path, meta: dict, samples: list[Sample], summary: dict) 
 
 def _ahead(samples: list[Sample]) -> dict:
     """A cluster lane's drafting ahead, summed over its runs, with the share of its rounds
-    whose guess of their outcome held (`guess_hit_rate`: a draft used that was not drafted
-    again on the decision)."""
+    whose guess of their outcome held (`guess_hit_rate`: drafts used that were drafted on a
+    guess, not on the decision; a draft made on a decision may go unused, when the width
+    policy then picks another D)."""
     total = {k: sum(s.ahead.get(k, 0) for s in samples) for k in samples[0].ahead}
-    held = total["hits"] - total["on_decision"]
-    return total | {"guess_hit_rate": held / total["rounds"] if total["rounds"] else None}
+    held = total.get("guess_hits")  # (absent from receipts before session 34)
+    rate = held / total["rounds"] if held is not None and total["rounds"] else None
+    return total | {"guess_hit_rate": rate}
 
 
 def format_table(summary: dict) -> str:

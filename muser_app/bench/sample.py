@@ -23,7 +23,8 @@ class Sample:
     ahead: dict[str, int] = field(default_factory=dict)
     """A cluster run's drafting ahead (the proposer's `speculation` stats): rounds whose
     next draft was made while they were away ("rounds"), those drafts used ("hits"), those
-    among them drafted on the early decision because the guess was wrong ("on_decision"),
+    among them drafted on a guess ("guess_hits"), next drafts started on the early decision
+    because the guess was wrong ("on_decision"; one may go unused when the width changes),
     requests sent on the decision ("sent_ahead") and those void ("ahead_void"); empty for
     other lanes."""
 

@@ -16,7 +16,7 @@ from tests.cluster.conftest import make_cluster
 from verifier_gx.backends import load_target_backend
 
 NODES = 16
-SHAPE = [4, 1, 1, 1]  # muser.tree.shape_for_budget(16, 4)
+SHAPE = [4, 4, 4, 4]  # nodes per depth of muser.tree_width.shape_for_budget(16, 4): 4,1,1,1
 
 
 def with_trees(width: str):
@@ -51,7 +51,7 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
     assert cluster.config.lane.tree_nodes == NODES
     assert '"tree_nodes": 16' in cluster.config.lane.receipt.read_text()  # qualified as trees
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    rounds = emitted = hits = followed = sent = 0
+    rounds = emitted = hits = followed = sent = guesses = 0
     for i in range(4):
         prompt = prompt_of(cluster, i)
         got = stream_generate(cluster.address, prompt, params)
@@ -62,10 +62,12 @@ def test_greedy_tree_cluster_equals_plain_decode(cluster) -> None:
         rounds, emitted = rounds + stats["rounds"], emitted + len(got["tokens"])
         hits += stats["speculation"]["hits"]
         followed += stats["speculation"]["on_decision"]
+        guesses += stats["speculation"]["guess_hits"]
         sent += stats["speculation"]["sent_ahead"]
         assert stats["speculation"]["ahead_void"] == 0  # each decision predicted its head
     assert emitted / rounds > 1.5  # the toy pair's trees emit ~3 a round (docs/trees.md)
     assert hits > followed > 0  # trees drafted ahead were used: on the guess, on the decision
+    assert guesses == hits - followed  # (one shape: every tree drafted on a decision is used)
     assert sent > 0  # and the next tree went out on the decision
 
 

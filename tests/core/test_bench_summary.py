@@ -251,7 +251,8 @@ def test_a_cluster_run_records_what_each_daemon_spent_during_it():
         def cpu_s(self):
             return next(self.readings)
 
-    ahead = {"rounds": 1, "hits": 1, "on_decision": 0, "sent_ahead": 1, "ahead_void": 0}
+    ahead = {"rounds": 1, "hits": 1, "guess_hits": 1, "on_decision": 0, "sent_ahead": 1,
+             "ahead_void": 0}  # fmt: skip
     stats = {"drafted": 4, "accepted": 2, "rounds": 2, "split_s": {}, "speculation": ahead}
     run = _lane(
         lambda *a, **k: {"tokens": [1, 2, 3], "stats": stats},
@@ -374,19 +375,28 @@ def test_a_pinned_lane_gets_the_bound_of_its_busiest_core():
 
 def test_a_cluster_lanes_drafting_ahead_is_summed_with_its_hit_rate():
     ahead = [
-        {"rounds": 10, "hits": 9, "on_decision": 5, "sent_ahead": 3, "ahead_void": 0},
-        {"rounds": 6, "hits": 3, "on_decision": 3, "sent_ahead": 0, "ahead_void": 1},
-    ]
+        {"rounds": 10, "hits": 9, "guess_hits": 4, "on_decision": 5, "sent_ahead": 3,
+         "ahead_void": 0},
+        {"rounds": 6, "hits": 3, "guess_hits": 0, "on_decision": 3, "sent_ahead": 0,
+         "ahead_void": 1},
+        # an adaptive width: 4 drafts made on decisions, 3 unused (the next round's D moved)
+        {"rounds": 5, "hits": 2, "guess_hits": 1, "on_decision": 4, "sent_ahead": 0,
+         "ahead_void": 0},
+    ]  # fmt: skip
     samples = [
         sample("plain", 0, 50, 1.0, split_s={"verify": 1.0}),
         *(sample("cluster@0ms", 0, 50, 1.0, rounds=20, ahead=a) for a in ahead),
     ]
     out = summarise(samples)
     assert out["cluster@0ms"]["ahead"] == {
-        "rounds": 16, "hits": 12, "on_decision": 8, "sent_ahead": 3, "ahead_void": 1,
-        "guess_hit_rate": 0.25,  # 12 used, 8 of them drafted again on the decision
+        "rounds": 21, "hits": 14, "guess_hits": 5, "on_decision": 12, "sent_ahead": 3,
+        "ahead_void": 1,
+        "guess_hit_rate": 5 / 21,  # not (14 - 12) / 21: 3 decision drafts went unused
     }  # fmt: skip
     assert "ahead" not in out["plain"]
     lines = format_table(out).splitlines()
-    assert ("  cluster@0ms        rounds 16  used 12 (on the decision 8; the guess held 0.25)  "
+    assert ("  cluster@0ms        rounds 21  used 14 (on the decision 12; the guess held 0.24)  "
             "sent on the decision 3  void 1") in lines  # fmt: skip
+    old = [sample("cluster@0ms", 0, 50, 1.0, rounds=20, ahead={**ahead[0]} | {"guess_hits": 0})]
+    del old[0].ahead["guess_hits"]  # a receipt from before guess_hits: no rate, not a wrong one
+    assert summarise(old)["cluster@0ms"]["ahead"]["guess_hit_rate"] is None
