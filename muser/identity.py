@@ -196,18 +196,16 @@ CONDITIONED_META_KEY = "muser_conditioned"
 def declared_capture_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     """The target decoder layers a conditioned draft checkpoint declares it reads (its
     config.json's `muser_conditioned.capture_layers`); () for any other checkpoint. Reads
-    one JSON file and loads no model; ModelLoadError when that file is unreadable."""
-    config_path = Path(path).expanduser() / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path}: unreadable ({exc})") from exc
+    one JSON file (`read_config`) and loads no model; ModelLoadError when that file is
+    absent or unreadable."""
+    root = Path(path).expanduser()
+    config = read_config(root)
     meta = config.get(CONDITIONED_META_KEY) if isinstance(config, dict) else None
     layers = meta.get("capture_layers", ()) if isinstance(meta, dict) else ()
     if not isinstance(layers, list | tuple) or not all(isinstance(x, int) for x in layers):
         raise ModelLoadError(
-            f"{config_path}: {CONDITIONED_META_KEY}.capture_layers is {layers!r}; expected a "
-            "list of decoder layer ids"
+            f"{root}/config.json: {CONDITIONED_META_KEY}.capture_layers is {layers!r}; "
+            "expected a list of decoder layer ids"
         )
     return tuple(layers)
 

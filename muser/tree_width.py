@@ -158,7 +158,7 @@ def best_first(accept: Sequence[float], nodes: int, depth: int) -> Template:
     next sibling of one — the construction Sequoia (Chen et al. 2024) shows optimal under
     this model when accept falls with rank. Ties go to the node offered first; laid out
     breadth first, siblings by rank."""
-    chosen: list[tuple[int, int, int]] = []  # (parent's index in chosen or -1, rank, depth)
+    chosen: list[int] = []  # each chosen node's parent: its index in chosen, or -1
     order = itertools.count()
     offers: list[tuple[float, int, int, int, int, float]] = []
 
@@ -170,16 +170,18 @@ def best_first(accept: Sequence[float], nodes: int, depth: int) -> Template:
     offer(-1, 0, 1, 1.0)
     while offers and len(chosen) < nodes:
         neg, _, parent, rank, at, base = heapq.heappop(offers)
-        chosen.append((parent, rank, at))
+        chosen.append(parent)
         offer(parent, rank + 1, at, base)  # its next sibling
         offer(len(chosen) - 1, 0, at + 1, -neg)  # its first child
-    new: dict[int, int] = {}
-    parents: list[int] = []
-    for at in range(1, depth + 1):
-        level = [i for i, c in enumerate(chosen) if c[2] == at]
-        for i in sorted(level, key=lambda i: (new.get(chosen[i][0], -1), chosen[i][1])):
+    kids: dict[int, list[int]] = {}  # siblings join in rank order (rank r + 1 after r)
+    for i, parent in enumerate(chosen):
+        kids.setdefault(parent, []).append(i)
+    new, parents, queue = {-1: -1}, [], [-1]  # breadth first from the root
+    for node in queue:
+        for i in kids.get(node, ()):
             new[i] = len(parents)
-            parents.append(new[chosen[i][0]] if chosen[i][0] >= 0 else -1)
+            parents.append(new[node])
+            queue.append(i)
     return tuple(parents)
 
 
@@ -303,21 +305,28 @@ class AdaptiveTree(TreePolicy):
             miss *= 1.0 - self.beta(r)
         return out
 
-    def template(self, size: Size) -> Template:
+    def template(self, size: Size, accept: list[float] | None = None) -> Template:
+        """The template of `size` under `accept` (default: `self.accept(size)`; a longer
+        list draws the same: a rank-r child needs r siblings before it)."""
         if size == DECODE:
             return ()
         if size == CHAIN:
             return full_parents([1] * self.depth)
-        return best_first(self.accept(size), size, self.depth)
+        return best_first(accept or self.accept(size), size, self.depth)
 
-    def expected_tokens(self, template: Sequence[int]) -> float:
+    def expected_tokens(self, template: Sequence[int], accept: list[float] | None = None) -> float:
         """Tokens a round of `template` emits under the model (the module note)."""
         if not template:
             return float(self.decode_len_max)
-        return 1.0 + sum(path_values(template, self.accept(len(template))))
+        return 1.0 + sum(path_values(template, accept or self.accept(len(template))))
 
-    def _rate(self, size: Size) -> float:
-        return self.expected_tokens(self.template(size)) / self.cost_s[size]
+    def _rates(self) -> dict[Size, float]:
+        """Every candidate's tokens per second, read off one estimate of the acceptance."""
+        accept = self.accept(self.budget)
+        return {
+            s: self.expected_tokens(self.template(s, accept), accept) / self.cost_s[s]
+            for s in self.sizes
+        }
 
     def _nodes(self, size: Size) -> int:
         return 0 if size == DECODE else self.depth if size == CHAIN else int(size)
@@ -329,7 +338,8 @@ class AdaptiveTree(TreePolicy):
         if untried:
             return untried[0]
         if len(self.sizes) > 1 and self.rounds % self.probe_every == 0:
-            return max((s for s in self.sizes if s != self.current), key=self._rate)
+            rates = self._rates()
+            return max((s for s in self.sizes if s != self.current), key=rates.__getitem__)
         return self.current
 
     def _settle(self) -> Size:
@@ -337,10 +347,9 @@ class AdaptiveTree(TreePolicy):
         `HYSTERESIS` (the current one until every candidate has a cost)."""
         if any(s not in self.cost_s for s in self.sizes):
             return self.current
-        best = max(self.sizes, key=lambda s: (self._rate(s), -self._nodes(s)))
-        if self._rate(best) > HYSTERESIS * self._rate(self.current):
-            return best
-        return self.current
+        rates = self._rates()
+        best = max(self.sizes, key=lambda s: (rates[s], -self._nodes(s)))
+        return best if rates[best] > HYSTERESIS * rates[self.current] else self.current
 
     def choose(self, remaining: int) -> Template:
         size = self._best()

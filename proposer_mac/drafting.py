@@ -38,14 +38,14 @@ of the pre-round state); a batched row may differ from the lone one in its last 
 which moves no distribution: the request carries the q rows the drafts were sampled from,
 and the verifier judges against those.
 
-Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree into a given shape
-(a template, `muser.tree_width`; `muser.tree.draft_tree`: breadth first, one tree forward a depth on the session's own
-sequence of a torch draft, children drawn without replacement). Its forwards run inside the
-job, never as steps (a tree block has a mask of its own, so it does not batch with other
-sessions' steps). While a tree is at the verifier, `speculate_tree_steps` drafts the next
-one on the guess that its first branch is accepted down to a leaf (the chain's guess, along
-that branch); the verifier tells no early decision of a tree, so a wrong guess waits for the
-result.
+Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree into a given
+shape (a template, `muser.tree_width`; `muser.tree.draft_tree`: breadth first, one tree
+forward a depth on the session's own sequence of a torch draft, children drawn without
+replacement). Its forwards run inside the job, never as steps (a tree block has a mask of
+its own, so it does not batch with other sessions' steps). While a tree is at the verifier,
+`speculate_tree_steps` drafts the next one on the guess that its first branch is accepted
+down to a leaf (the chain's guess, along that branch); when the verifier's early decision
+says otherwise, `follow_tree_steps` drafts the next tree on the decision.
 """
 
 from __future__ import annotations
@@ -218,8 +218,9 @@ class Drafter:
     def tree_steps(
         self, transcript: Sequence[int], state: Mt19937, template: Sequence[int]
     ) -> Steps[Draft]:
-        """A tree drafted into `template` (a shape, `muser.tree_width`) after `transcript` (which ends with the frontier), as steps that yield nothing: its
-        forwards run here (module note). The draft's sequence is left holding the
+        """A tree drafted into `template` (a shape, `muser.tree_width`) after `transcript`
+        (which ends with the frontier), as steps that yield nothing: its forwards run here
+        (module note). The draft's sequence is left holding the
         transcript, frontier included, with the frontier's row (the next round's draft
         evaluates what it emits after that)."""
         self._restore()
@@ -239,8 +240,8 @@ class Drafter:
         """The tree after the tree `current` (just drafted from `transcript`, `state`), on the
         guess that the judge takes the first child at every depth, down to a leaf, and that
         the next frontier is the draft's own pick there with the verifier's draw for it (the
-        chain's guess, `speculate_steps`, along the tree's first branch); drafted into `template`.
-        `guess` is given the guessed emission once known. None when the cursor no longer
+        chain's guess, `speculate_steps`, along the tree's first branch); drafted into
+        `template`. `guess` is given the guessed emission once known. None when the cursor no longer
         stands where `current` left it or the draft makes no guess."""
         parents = list(current.parents)
         held = list(transcript)
