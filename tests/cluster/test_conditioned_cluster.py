@@ -92,4 +92,8 @@ def test_sigkill_mid_generation_loses_no_token_and_the_rows_come_again(cluster, 
     assert kills == 4
     assert result["tokens"] == oracle
     drafted = result["stats"]["rounds_by_draft_len"]
-    assert sum(n for d, n in drafted.items() if d != "0") > 10  # it drafted after the restarts
+    # it drafts again after each restart, once a round brought the rows (a draft that never
+    # got them declines every round). With the proposer killed the stats are the last
+    # one's, started at ~85 of 128 tokens (the 4th strike, seed 7): how many rounds that
+    # leaves is timing (9 to 12 seen), so the floor is low
+    assert sum(n for d, n in drafted.items() if d != "0") >= 3, drafted
