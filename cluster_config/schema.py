@@ -259,8 +259,9 @@ class Lane(_Strict):
         "rejection of each of the first N drafts, with the draft's runner-up there as the "
         "target's pick, each on a clone of the draft KV, drafted together with the "
         "full-acceptance guess in one batched forward per step, when the draft thread has "
-        "nothing else to draft (needs draft_batch and a torch draft; 0: full acceptance "
-        "only; never changes the tokens).",
+        "nothing else to draft (a torch draft with draft_batch, or the conditioned draft, whose "
+        "clones share the session's capture rows and draft one after another; 0: full "
+        "acceptance only; never changes the tokens).",
     )
     send_on_decision: bool = Field(
         True,

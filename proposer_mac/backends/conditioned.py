@@ -13,6 +13,12 @@ position, then appends. Callers see the plain contract: `evaluate(tokens)` appen
 returns one row per token, `rollback`/`reset` drop KV (reset drops the installed features
 too: they belong to the sequence).
 
+Greedy branches (`Drafter.branch_steps`, docs/conditioned.md): `clone` copies the sequence
+(its KV is shared until either side appends: every forward makes new tensors) and shares its
+installed rows — a row is a fact of the session's transcript, whichever guessed outcome a
+clone drafts on — so rows handed over while a branch runs reach the branch that is kept.
+`owner` evaluates the clones one after another: the network has no batched path yet.
+
 Rows are float64 logits over the target's vocabulary, -inf outside the draft's reduced head.
 Attention sees the last `window` positions (the checkpoint's, or the override's).
 
@@ -76,6 +82,15 @@ def load_engine(path: Path, spec: ConditionedSpec, runtime: str, device: str = "
 
 
 @dataclass
+class _Rows:
+    """The target's capture rows installed for positions 0..known-1 (fused in layer order,
+    rounded to the feature dtype), shared by a sequence and its clones."""
+
+    rows: np.ndarray
+    known: int = 0
+
+
+@dataclass
 class _Block:
     """A token tree evaluated after the held positions (`ConditionedDraft.evaluate_tree`):
     entry 0 the root, entry i + 1 node i; its keys follow the held ones in evaluation order
@@ -136,7 +151,7 @@ class ConditionedDraft(HeldTokens):
         """Whether the target's rows have been handed over at all: until then (a session's
         first round, or its first after a restart) the drafter declines, and the target's
         round reads the prompt (`proposer_mac.drafting`)."""
-        return self._known > 0
+        return self._rows.known > 0
 
     def fork(self) -> ConditionedDraft:
         """An empty sequence over the same network (one per session on the proposer)."""
@@ -144,10 +159,28 @@ class ConditionedDraft(HeldTokens):
         twin.reset()
         return twin
 
+    def clone(self) -> ConditionedDraft:
+        """This sequence again, to grow and roll back on its own (a greedy branch: module
+        note). Shares the KV tensors (never written in place) and the installed rows; a
+        tree block not kept is not cloned."""
+        twin = copy.copy(self)
+        twin._tokens = list(self._tokens)
+        twin._block = None
+        if self._block is not None:
+            keep = self.length
+            twin._past = None if keep == 0 else (self._past[0][:, :, :keep],
+                                                 self._past[1][:, :, :keep])  # fmt: skip
+        return twin
+
+    @property
+    def owner(self) -> _Clones:
+        """This draft's sequences as one `MultiSequenceBackend` (`Drafter.branch_steps`)."""
+        return _Clones(self)
+
     @property
     def features_known(self) -> int:
         """Positions 0..n-1 whose target rows are installed (contiguous from 0)."""
-        return self._known
+        return self._rows.known
 
     def install_features(self, first: int, rows: Mapping[int, np.ndarray]) -> None:
         """The target's rows at `first`, `first + 1`, ...: one (n, target width) array per
@@ -165,21 +198,22 @@ class ConditionedDraft(HeldTokens):
         if any(p.shape != shape for p in parts):
             got = [p.shape for p in parts]
             raise RefusedError(f"feature rows of shapes {got} received; expected {shape} each")
-        if first < 0 or first > self._known:
+        have = self._rows
+        if first < 0 or first > have.known:
             raise RefusedError(
-                f"features from position {first} received; {self._known} are known, so the "
-                f"next must start at or before {self._known}"
+                f"features from position {first} received; {have.known} are known, so the "
+                f"next must start at or before {have.known}"
             )
         if n == 0:
             return
         end = first + n
-        if end > len(self._features):
-            grown = np.zeros((max(end, 2 * len(self._features)), self._width), np.float32)
-            grown[: self._known] = self._features[: self._known]
-            self._features = grown
+        if end > len(have.rows):
+            grown = np.zeros((max(end, 2 * len(have.rows)), self._width), np.float32)
+            grown[: have.known] = have.rows[: have.known]
+            have.rows = grown
         row = np.concatenate(parts, axis=1).astype(self._round).astype(np.float32)
-        self._features[first:end] = row
-        self._known = max(self._known, end)
+        have.rows[first:end] = row
+        have.known = max(have.known, end)
 
     # ---- the contract -------------------------------------------------------------------
 
@@ -194,7 +228,7 @@ class ConditionedDraft(HeldTokens):
         """Recompute the held positions from the first stale one, once the target's rows
         before it arrived (module note)."""
         stale = self._first_self
-        if stale is not None and stale - 1 < self._known:
+        if stale is not None and stale - 1 < self._rows.known:
             held = self._tokens[stale:]
             self._drop(len(held))
             self._append(held)
@@ -257,8 +291,8 @@ class ConditionedDraft(HeldTokens):
         for r, j in enumerate(level):
             if j > 0:  # its parent's output row
                 feature[0, r] = block.outs[slot[block.parents[j - 1] + 1]]
-            elif 0 <= start - 1 < self._known:  # the root: the target's row before it
-                feature[0, r] = engine.fuse_features(self._features[start - 1 : start])[0]
+            elif 0 <= start - 1 < self._rows.known:  # the root: the target's row before it
+                feature[0, r] = engine.fuse_features(self._rows.rows[start - 1 : start])[0]
             elif start > 0:
                 feature[0, r] = self._outs[start - 1]
         order = [*block.order, *level]
@@ -297,7 +331,7 @@ class ConditionedDraft(HeldTokens):
         slots = [block.slot[0], *(block.slot[i + 1] for i in path)]
         self._past = self._engine.take(self._past, [*range(start), *(start + s for s in slots)])
         self._outs = np.concatenate([self._outs, np.stack([block.outs[s] for s in slots])])
-        if self._first_self is None and start > 0 and start - 1 >= self._known:
+        if self._first_self is None and start > 0 and start - 1 >= self._rows.known:
             self._first_self = start
         elif self._first_self is None and path:
             self._first_self = start + 1
@@ -318,8 +352,7 @@ class ConditionedDraft(HeldTokens):
         self._outs = np.zeros((0, self.spec.hidden_size), np.float32)
         self._first_self: int | None = None
         """The first held position computed with the draft's own feature (None: none)."""
-        self._features = np.zeros((0, self._width), np.float32)
-        self._known = 0
+        self._rows = _Rows(np.zeros((0, self._width), np.float32))
         self._block: _Block | None = None
         """A token tree evaluated past the held positions, not kept yet (`keep_path`)."""
 
@@ -342,7 +375,7 @@ class ConditionedDraft(HeldTokens):
         while done < len(ids):
             start = self.length
             stop = start + 1
-            while stop < start + len(ids) - done and stop - 1 < self._known:
+            while stop < start + len(ids) - done and stop - 1 < self._rows.known:
                 stop += 1
             out[done : done + stop - start, self._head_ids] = self._forward(
                 ids[done : done + stop - start], start
@@ -353,11 +386,12 @@ class ConditionedDraft(HeldTokens):
     def _forward(self, ids: list[int], start: int) -> np.ndarray:
         n, engine = len(ids), self._engine
         feature = np.zeros((1, n, self.spec.hidden_size), np.float32)
-        real = [p for p in range(start, start + n) if 0 <= p - 1 < self._known]
+        known = self._rows.known
+        real = [p for p in range(start, start + n) if 0 <= p - 1 < known]
         if real:
-            rows = self._features[real[0] - 1 : real[-1]]
+            rows = self._rows.rows[real[0] - 1 : real[-1]]
             feature[0, real[0] - start :] = engine.fuse_features(rows)
-        if start > 0 and start - 1 >= self._known:  # the draft's own row at start - 1
+        if start > 0 and start - 1 >= known:  # the draft's own row at start - 1
             feature[0, 0] = self._outs[start - 1]
             if self._first_self is None:
                 self._first_self = start
@@ -372,6 +406,44 @@ class ConditionedDraft(HeldTokens):
         self._outs = np.concatenate([self._outs, outs[0]])
         self._tokens.extend(ids)
         return logits[0].astype(np.float64)
+
+
+class _Clones:
+    """A conditioned draft's sequences as a `MultiSequenceBackend`, for greedy branches
+    (`muser.backend.batches`, `proposer_mac.drafting.run_together`): `evaluate_batch`
+    evaluates each sequence in turn (one forward each; the network has no batched path),
+    the rest is the draft's own."""
+
+    can_batch = True
+
+    def __init__(self, draft: ConditionedDraft) -> None:
+        self._draft = draft
+        self.identity, self.geometry = draft.identity, draft.geometry
+
+    @property
+    def vocab_size(self) -> int:
+        return self._draft.vocab_size
+
+    @property
+    def length(self) -> int:
+        return self._draft.length
+
+    def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
+        return self._draft.evaluate(tokens)
+
+    def rollback(self, n: int) -> None:
+        self._draft.rollback(n)
+
+    def reset(self) -> None:
+        self._draft.reset()
+
+    def sequence(self) -> ConditionedDraft:
+        return self._draft.fork()
+
+    def evaluate_batch(
+        self, work: Sequence[tuple[ConditionedDraft, Sequence[int]]]
+    ) -> list[np.ndarray]:
+        return [seq.evaluate(tokens) for seq, tokens in work]
 
 
 def pair_check(draft: object, target: ModelIdentity, where: str) -> None:

@@ -432,3 +432,63 @@ def test_a_tree_forward_that_fails_leaves_the_held_positions(toy, window) -> Non
     with pytest.raises(ValueError, match="no tree block"):
         draft.keep_path([])
     close_rows(draft.evaluate_tree(draft, *tree), ref.evaluate_tree(ref, *tree))
+
+
+def test_greedy_branches_draft_on_clones_that_share_the_installed_rows(toy, window) -> None:
+    """Greedy branches (lane.speculate_branches) on the conditioned draft: each guessed
+    outcome drafts, on a clone, what a draft holding the same rows drafts after that
+    outcome; the session's own sequence does not move; rows handed over while the branches
+    ran (the result's) reach the branch that is adopted, so the draft after it reads them
+    as a draft that never branched. Sampled sessions do not branch."""
+    import threading
+
+    from muser.mt19937 import Mt19937
+    from proposer_mac.drafting import Drafter
+    from tests.proposer.test_draft_batch import assert_rows_close
+
+    _, draft_dir, _ = toy
+    tokens, feats, _ = window
+    spec = read_spec(draft_dir)
+    greedy, state = SamplingParams(temperature=0.0, max_tokens=64), Mt19937.from_seed(0)
+    prompt = [int(t) for t in tokens[:48]]
+
+    def drafter(known: int) -> Drafter:
+        """A drafter whose draft holds the target's rows at positions 0..known-1."""
+        made = Drafter(ConditionedDraft(draft_dir), greedy)
+        made.install_features(0, layer_rows(spec, feats, 0, known))  # (the cursor claims it)
+        return made
+
+    # the carried frontier: rows up to the one before the prompt's last token
+    main = drafter(len(prompt) - 1)
+    assert main.can_branch
+    assert not Drafter(ConditionedDraft(draft_dir), SamplingParams(temperature=1.0)).can_branch
+    current = main.draft(prompt, state, 4)
+    held = list(main.cursor.tokens)
+    guesses: list[list[int]] = []
+    steps = main.branch_steps(prompt, current, [4] * 5, (), threading.Event(), guesses)
+    got = main.run(steps)
+    assert main.cursor.tokens == held  # the session's own sequence did not move
+    expected = [[*current.drafts[:k], current.runners_up[k]] for k in range(4)]
+    assert [b.speculation.emitted for b in got][:4] == expected
+    assert [b.speculation.emitted for b in got] == guesses and len(got) == 5
+    for b in got:
+        emitted = b.speculation.emitted
+        plain = drafter(len(prompt) - 1).draft([*prompt, *emitted], state, 4)
+        assert b.speculation.proposal.drafts == plain.drafts, emitted
+        assert_rows_close(b.speculation.proposal.q_rows, plain.q_rows)
+        assert b.cursor.backend is not main.cursor.backend
+    # full acceptance held: the result's rows (up to the next frontier) arrive, then the
+    # branch is adopted; the next draft reads them, as a draft that never branched does
+    chosen = got[-1]
+    transcript = [*prompt, *chosen.speculation.emitted]
+    end = len(transcript) - 1
+    first = len(prompt) - 1
+    main.install_features(first, layer_rows(spec, feats, first, end))
+    old = main.cursor.backend
+    main.adopt_branch(chosen)
+    assert main.cursor is chosen.cursor and old.length == 0
+    assert main.cursor.backend.features_known == end
+    after = main.draft(transcript, state, 4)
+    fresh = drafter(end).draft(transcript, state, 4)
+    assert after.drafts == fresh.drafts
+    assert_rows_close(after.q_rows, fresh.q_rows)
