@@ -17,7 +17,8 @@ Greedy branches (`Drafter.branch_steps`, docs/conditioned.md): `clone` copies th
 (its KV is shared until either side appends: every forward makes new tensors) and shares its
 installed rows — a row is a fact of the session's transcript, whichever guessed outcome a
 clone drafts on — so rows handed over while a branch runs reach the branch that is kept.
-`owner` evaluates the clones one after another: the network has no batched path yet.
+`owner` evaluates the clones' lockstep steps (one new token each) in one forward, each
+reading its own KV through a padded batch (`_step_each`); anything else goes one by one.
 
 Rows are float64 logits over the target's vocabulary, -inf outside the draft's reduced head.
 Attention sees the last `window` positions (the checkpoint's, or the override's).
@@ -407,12 +408,33 @@ class ConditionedDraft(HeldTokens):
         self._tokens.extend(ids)
         return logits[0].astype(np.float64)
 
+    def _steps_alone(self, tokens: Sequence[int]) -> bool:
+        """Whether `evaluate(tokens)` would be one forward of one position with nothing
+        before it (no block to drop, nothing stale to recompute, room left): what
+        `_step_each` batches."""
+        stale = self._first_self
+        return (
+            len(tokens) == 1
+            and self._block is None
+            and 0 < self.length < self.geometry.context_length
+            and (stale is None or stale - 1 >= self._rows.known)
+        )
+
+    def _step_feature(self, start: int) -> np.ndarray:
+        """The feature of a token at `start` (> 0) evaluated alone: the target's row at
+        start - 1 where installed, else the draft's own (as `_forward` reads them)."""
+        if start - 1 < self._rows.known:
+            return self._engine.fuse_features(self._rows.rows[start - 1 : start])[0]
+        if self._first_self is None:
+            self._first_self = start
+        return self._outs[start - 1]
+
 
 class _Clones:
     """A conditioned draft's sequences as a `MultiSequenceBackend`, for greedy branches
     (`muser.backend.batches`, `proposer_mac.drafting.run_together`): `evaluate_batch`
-    evaluates each sequence in turn (one forward each; the network has no batched path),
-    the rest is the draft's own."""
+    steps the sequences together where each appends one token (`_step_each`), else one
+    after another; the rest is the draft's own."""
 
     can_batch = True
 
@@ -443,7 +465,38 @@ class _Clones:
     def evaluate_batch(
         self, work: Sequence[tuple[ConditionedDraft, Sequence[int]]]
     ) -> list[np.ndarray]:
+        if len(work) > 1 and all(seq._steps_alone(tokens) for seq, tokens in work):
+            return _step_each(work)
         return [seq.evaluate(tokens) for seq, tokens in work]
+
+
+def _step_each(work: Sequence[tuple[ConditionedDraft, Sequence[int]]]) -> list[np.ndarray]:
+    """One forward for several sequences of one draft, one new token each (branches drafting
+    in lockstep): each reads its own keys in its window and its own feature, so each row is
+    the row its `evaluate` gives (within float rounding: tests/proposer/test_conditioned.py)."""
+    seqs = [seq for seq, _ in work]
+    spec, width = seqs[0].spec, max(seq.length for seq in seqs)
+    ids = np.array([check_tokens(tokens, seq.vocab_size) for seq, tokens in work], np.int64)
+    feature = np.zeros((len(seqs), 1, spec.hidden_size), np.float32)
+    positions = np.array([[seq.length] for seq in seqs], np.int64)
+    allowed = np.zeros((len(seqs), width + 1), dtype=bool)
+    allowed[:, width] = True  # each its own new key
+    for b, seq in enumerate(seqs):
+        start = seq.length
+        feature[b, 0] = seq._step_feature(start)
+        allowed[b, :start] = np.arange(start) > start - spec.window
+    outs, logits, pasts = seqs[0]._engine.forward_each(
+        ids, feature, positions, allowed, [seq._past for seq in seqs]
+    )
+    rows = []
+    for b, seq in enumerate(seqs):
+        seq._past = pasts[b]
+        seq._outs = np.concatenate([seq._outs, outs[b]])
+        seq._tokens.append(int(ids[b, 0]))
+        row = np.full((1, seq.vocab_size), -np.inf)
+        row[:, seq._head_ids] = logits[b].astype(np.float64)
+        rows.append(row)
+    return rows
 
 
 def pair_check(draft: object, target: ModelIdentity, where: str) -> None:

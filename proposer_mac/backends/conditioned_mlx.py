@@ -31,7 +31,9 @@ class ConditionedMlx:
 
     def _rope(self, x, positions):
         mx = self._mx
-        angles = positions.astype(mx.float32)[:, None] * self._inv  # (S, half)
+        angles = positions.astype(mx.float32)[..., None] * self._inv  # (S | B S, half)
+        if angles.ndim == 3:
+            angles = angles[:, None]  # (B, 1, S, half): one row of positions per sequence
         cos, sin = mx.cos(angles), mx.sin(angles)
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[..., half:]
@@ -81,6 +83,33 @@ class ConditionedMlx:
             logits = self._linear("head", self._norm("norm", x))
             mx.eval(x, logits, k, v)
             return np.array(x), np.array(logits), (k, v)
+
+    def forward_each(self, tokens, feature, positions, allowed, pasts):
+        """As `TorchEngine.forward_each`: B sequences, one new position each, each after its
+        own past (padded here into one batch)."""
+        mx = self._mx
+        width = allowed.shape[1] - 1
+        with mx.stream(self._stream):
+            past = tuple(
+                mx.concatenate(
+                    [
+                        mx.pad(kv[i], [(0, 0), (0, 0), (0, width - kv[i].shape[2]), (0, 0)])
+                        for kv in pasts
+                    ]
+                )
+                for i in (0, 1)
+            )
+        outs, logits, (k, v) = self.forward(
+            tokens, feature, positions, allowed[:, None, None, :], past
+        )
+        with mx.stream(self._stream):
+            grown = [
+                (mx.concatenate([pk, k[b : b + 1, :, width:]], axis=2),
+                 mx.concatenate([pv, v[b : b + 1, :, width:]], axis=2))
+                for b, (pk, pv) in enumerate(pasts)
+            ]  # fmt: skip
+            mx.eval(grown)
+        return outs, logits, grown
 
     def take(self, past, keys: list[int]):
         """`past`'s keys and values at the indices `keys`, in that order."""

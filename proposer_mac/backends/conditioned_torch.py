@@ -87,7 +87,8 @@ class ConditionedNet(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One pass: tokens (B, S), feature rows (B, S, width), positions (S,) or (B, S),
-        `allowed` (S, P + S) bool, which keys (the P past ones, then these) each row sees.
+        `allowed` (S, P + S) bool, which keys (the P past ones, then these) each row sees
+        (or (B, 1, S, P + S): each sequence its own).
         Returns (output rows (B, S, width) — the next position's self feature —, head logits
         (B, S, reduced vocab), this pass's keys and values appended to `past`)."""
         spec = self.spec
@@ -133,6 +134,31 @@ class TorchEngine:
                 past,
             )
         return outs.numpy(), logits.numpy(), kv
+
+    def forward_each(self, tokens, feature, positions, allowed, pasts):
+        """`forward` for B sequences at once, one new position each (B, 1), each after its
+        own `pasts[b]` (keys and values of any length, padded here into one batch):
+        `allowed` (B, P + 1) says which of the P padded keys, then the new one, each sees.
+        Returns the output rows, the logits and each sequence's past with its new key."""
+        width = allowed.shape[1] - 1
+        with torch.inference_mode():
+            past = tuple(
+                torch.cat([F.pad(kv[i], (0, 0, 0, width - kv[i].shape[2])) for kv in pasts])
+                for i in (0, 1)
+            )
+            outs, logits, (k, v) = self.net(
+                torch.from_numpy(tokens),
+                torch.from_numpy(feature),
+                torch.from_numpy(positions),
+                torch.from_numpy(allowed)[:, None, None, :],
+                past,
+            )
+            grown = [
+                (torch.cat([pk, k[b : b + 1, :, width:]], 2),
+                 torch.cat([pv, v[b : b + 1, :, width:]], 2))
+                for b, (pk, pv) in enumerate(pasts)
+            ]  # fmt: skip
+        return outs.numpy(), logits.numpy(), grown
 
     def take(self, past, keys: list[int]):
         """`past`'s keys and values at the indices `keys`, in that order."""

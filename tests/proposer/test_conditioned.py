@@ -492,3 +492,39 @@ def test_greedy_branches_draft_on_clones_that_share_the_installed_rows(toy, wind
     fresh = drafter(end).draft(transcript, state, 4)
     assert after.drafts == fresh.drafts
     assert_rows_close(after.q_rows, fresh.q_rows)
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_clones_stepped_together_give_each_ones_own_rows(toy, window, runtime) -> None:
+    """Greedy branches step their clones in one forward (`owner.evaluate_batch`): clones of
+    different lengths, one reading the target's row before its token and the others their
+    own, each inside its window (the declared one, and 8: shorter than every clone), get
+    the rows `evaluate` gives each alone, twice over (the second step reads the keys the
+    first appended); a step of more than one token goes one by one."""
+    _, draft_dir, _ = toy
+    rng = np.random.default_rng(5)
+    draft = ConditionedDraft(draft_dir, window=window, runtime=runtime, device="cpu")
+    spec = draft.spec
+    feats = rng.standard_normal((64, spec.target_hidden_size * len(spec.capture_layers)))
+    prompt = [int(t) for t in rng.integers(3, 200, 40)]
+    draft.install_features(0, layer_rows(spec, feats.astype(np.float32), 0, 39))
+    draft.evaluate(prompt)
+    clones = [draft.clone() for _ in range(3)]
+    clones[0].rollback(5)  # its next token reads the target's row before it
+    clones[1].evaluate([11, 12])  # its next token reads its own
+    lone = [c.clone() for c in clones]
+    owner = draft.owner
+    for step in ([7, 8, 9], [21, 22, 23]):
+        together = owner.evaluate_batch([(c, [t]) for c, t in zip(clones, step, strict=True)])
+        alone = [c.evaluate([t]) for c, t in zip(lone, step, strict=True)]
+        for a, b in zip(together, alone, strict=True):
+            close_rows(a, b)
+        for c, d in zip(clones, lone, strict=True):
+            assert c._tokens == d._tokens and c._first_self == d._first_self
+    assert all(c._steps_alone([1]) for c in clones)
+    assert not clones[0]._steps_alone([1, 2])
+    got = owner.evaluate_batch([(clones[0], [1, 2]), (clones[1], [3])])  # one by one
+    close_rows(got[0], lone[0].evaluate([1, 2]))
+    close_rows(got[1], lone[1].evaluate([3]))
+    assert [len(c._tokens) for c in clones[:2]] == [len(d._tokens) for d in lone[:2]]
