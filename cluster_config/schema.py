@@ -251,17 +251,16 @@ class Lane(_Strict):
         description="Draft round r+1 while round r is at the verifier, on the guess that r is "
         "fully accepted (latency hiding; never changes the tokens).",
     )
-    speculate_branches: int = Field(
-        2,
-        ge=0,
-        le=64,
+    speculate_branches: int | Literal["auto"] = Field(
+        "auto",
         description="Greedy: speculate on more outcomes than full acceptance at once: the "
         "rejection of each of the first N drafts, with the draft's runner-up there as the "
         "target's pick, each on a clone of the draft KV, drafted together with the "
         "full-acceptance guess in one batched forward per step, when the draft thread has "
-        "nothing else to draft (a torch draft with draft_batch, or the conditioned draft, whose "
-        "clones share the session's capture rows and draft one after another; 0: full "
-        "acceptance only; never changes the tokens).",
+        "nothing else to draft (a torch draft with draft_batch, or the conditioned draft; 0: "
+        "full acceptance only; never changes the tokens). auto: 2, except 0 with the "
+        "conditioned draft, whose branches measured slower than none (their guesses hold "
+        "too seldom to pay for the draft work: docs/conditioned.md).",
     )
     send_on_decision: bool = Field(
         True,

@@ -46,6 +46,7 @@ from proposer_mac.lane_setup import (
     session_capture_layers,
     session_tree,
     session_width,
+    speculate_branches,
     target_identity_from_files,
 )
 from proposer_mac.link import LinkDown
@@ -102,7 +103,7 @@ class ProposerCore:
             log=self.log,
             pool=self.pool,
             speculate=config.lane.speculate,
-            branches=config.lane.speculate_branches,
+            branches=speculate_branches(config.lane, draft),
             send_on_decision=config.lane.send_on_decision,
             lookahead=lookahead_on(config.lane.lookahead, config.verifier.address),
             batch_with=draft if self.draft_batch else None,

@@ -39,6 +39,20 @@ def draft_kv(draft, batch: bool):
     return draft.fork() if hasattr(draft, "fork") else draft
 
 
+AUTO_BRANCHES = 2
+"""lane.speculate_branches "auto" for a draft that reads no capture rows (measured best of
+0-4 with the independent torch draft: docs/benchmarks.md)."""
+
+
+def speculate_branches(lane: Lane, draft) -> int:
+    """lane.speculate_branches, "auto" resolved: 0 for a draft that reads the target's
+    capture rows (the conditioned draft: its branches measured slower than none on both
+    pairs, docs/conditioned.md), else `AUTO_BRANCHES`."""
+    if lane.speculate_branches != "auto":
+        return lane.speculate_branches
+    return 0 if getattr(draft, "capture_layers", ()) else AUTO_BRANCHES
+
+
 def session_capture_layers(lane: Lane, draft) -> tuple[int, ...]:
     """The layers a session captures: a conditioned draft reads the ones its checkpoint
     declares (lane.capture_layers, when set, must name the same)."""

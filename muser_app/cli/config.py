@@ -55,8 +55,9 @@ q_top_k = {q_top_k}
 # (torch drafts; mlx and windowed drafts draft each session alone)
 draft_batch = true
 # greedy: while a round is away, draft the next one on full acceptance and on the rejection
-# of each of the first N drafts (the draft's runner-up as the target's pick), together
-speculate_branches = 2
+# of each of the first N drafts (the draft's runner-up as the target's pick), together;
+# auto: 2, or 0 with the conditioned draft (its branches measured slower than none)
+speculate_branches = "auto"
 # name each round drafted ahead to the verifier before its request, so it can evaluate it
 # early; auto: on unless the verifier is on this machine (loopback)
 lookahead = "auto"

@@ -193,7 +193,7 @@ class CloningDraft(SwappedDraft):
         return [seq.evaluate(tokens) for seq, tokens in work]
 
 
-async def greedy_session(key_set, tmp_path, branches: int):
+async def greedy_session(key_set, tmp_path, branches: int | str):
     draft = CloningDraft()
     c = await start(key_set, tmp_path, draft=draft, lane={"speculate_branches": branches})
     try:
@@ -217,6 +217,33 @@ async def test_greedy_branches_hit_and_never_change_the_tokens(key_set, tmp_path
     assert len(on_draft.made) > 1 and len(off_draft.made) == 1  # clones only with branches
     assert all(seq.length == 0 for seq in on_draft.made)  # no clone's KV outlives the session
     assert on.stats.to_dict()["speculation"]["branch_hits"] == on.stats.branch_hits
+
+
+@pytest.mark.asyncio
+async def test_auto_branches_are_two_and_none_for_a_draft_that_reads_capture_rows(
+    key_set, tmp_path
+):
+    """lane.speculate_branches defaults to "auto": 2 branches (clones made, branches held)
+    for a draft that reads no capture rows, none for one that does (the conditioned draft:
+    its branches measured slower than none, docs/conditioned.md); a number is taken as is."""
+    from types import SimpleNamespace
+
+    from cluster_config.schema import Lane
+    from proposer_mac.lane_setup import AUTO_BRANCHES, speculate_branches
+
+    runner, draft = await greedy_session(key_set, tmp_path, "auto")
+    local = run_local(FakeBackend(), SwappedDraft(), PROMPT, GREEDY)
+    assert runner.error is None and runner.session.emitted == local.tokens
+    assert runner.stats.branch_hits > 0 and len(draft.made) > 1
+    assert Lane().speculate_branches == "auto"
+    independent, conditioned = SimpleNamespace(), SimpleNamespace(capture_layers=(1, 3))
+    assert speculate_branches(Lane(), independent) == AUTO_BRANCHES == 2
+    assert speculate_branches(Lane(), conditioned) == 0
+    for n in (0, 3):
+        assert speculate_branches(Lane(speculate_branches=n), conditioned) == n
+        assert speculate_branches(Lane(speculate_branches=n), independent) == n
+    with pytest.raises(ValueError, match="speculate_branches"):
+        Lane(speculate_branches="some")
 
 
 @pytest.mark.asyncio
