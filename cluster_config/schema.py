@@ -251,7 +251,7 @@ class Lane(_Strict):
         description="Draft round r+1 while round r is at the verifier, on the guess that r is "
         "fully accepted (latency hiding; never changes the tokens).",
     )
-    speculate_branches: int | Literal["auto"] = Field(
+    speculate_branches: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
         "auto",
         description="Greedy: speculate on more outcomes than full acceptance at once: the "
         "rejection of each of the first N drafts, with the draft's runner-up there as the "

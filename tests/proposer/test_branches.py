@@ -242,8 +242,9 @@ async def test_auto_branches_are_two_and_none_for_a_draft_that_reads_capture_row
     for n in (0, 3):
         assert speculate_branches(Lane(speculate_branches=n), conditioned) == n
         assert speculate_branches(Lane(speculate_branches=n), independent) == n
-    with pytest.raises(ValueError, match="speculate_branches"):
-        Lane(speculate_branches="some")
+    for bad in ("some", -1, 65):
+        with pytest.raises(ValueError, match="speculate_branches"):
+            Lane(speculate_branches=bad)
 
 
 @pytest.mark.asyncio
