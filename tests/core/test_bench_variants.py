@@ -133,7 +133,7 @@ def test_settings_replace_add_and_remove_lines_and_take_effect(cluster_file):
     assert config.proposer.cpus is None and config.limits.max_batch == 4
     base = load_config(cluster_file)
     assert config.verifier.cpus == base.verifier.cpus  # untouched
-    assert base.lane.speculate_branches == 2
+    assert base.lane.speculate_branches == "auto"  # the base file: config init's default
 
 
 def test_a_setting_in_a_section_the_file_lacks_is_refused(cluster_file):
