@@ -10,11 +10,11 @@ the receipt.
 The receipt file (`lane.receipt`, default `qualification.json` beside the cluster file) is
 JSON, a carrier only:
 
-    {"format": "muser.qualification-receipt.v2",
+    {"format": "muser.qualification-receipt.v3",
      "software": {"package": "muser-cluster", "version": "0.1.0"},
      "target": {"model_digest", "tokenizer_digest", "vocab_size", "architecture",
-                "backend", "dtype", "device"},
-     "draft":  {... the same seven fields, from the proposer's draft},
+                "backend", "dtype", "device", "forward"},
+     "draft":  {... the same eight fields, from the proposer's draft},
      "lane":   {every [lane] knob but receipt and acceptance_floor: draft_len,
                 draft_len_min, draft_len_max, q_top_k, capture_layers (the layers the
                 sessions ask for: a conditioned draft's own when the knob is empty), ...},
@@ -51,8 +51,13 @@ from cluster_config.schema import ClusterConfig, ConfigError, Lane
 from muser.canonical import CanonicalError, Writer
 from muser.errors import MuserError
 
-FORMAT = "muser.qualification-receipt.v2"
-"""v2 binds each side's device kind; a v1 receipt (which did not) is refused: re-qualify."""
+FORMAT = "muser.qualification-receipt.v3"
+"""v3 binds the torch target's forward, v2 each side's device kind; an earlier receipt (which
+did not) is refused: re-qualify."""
+EARLIER_FORMATS = {
+    "muser.qualification-receipt.v1": "did not bind the device",
+    "muser.qualification-receipt.v2": "did not bind the target's forward",
+}
 DOMAIN = "qualification-receipt"
 PACKAGE = "muser-cluster"
 MIN_TOKENS = 256
@@ -108,6 +113,10 @@ class ModelBinding:
     """Where it ran, by kind: `cpu`, `cuda` (any `cuda:N`), the mlx draft's `auto`/`gpu`. A
     receipt made on one kind of device does not admit another: the rows a lane was checked
     against were computed there (issue 34)."""
+    forward: str
+    """The torch target's `verifier.forward` (auto, packed, lean, transformers): the packed
+    forward's rows are the lean one's within rounding, not bit for bit, so the rows a lane
+    was checked against came from this one. Empty for a vLLM target and for the draft."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,11 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
         if field == "draft" and receipt is not None and not draft_files_here(config):
             held = receipt.binding.draft
             sides[field] = replace(
-                held, backend=node.backend, dtype=node.dtype, device=device_kind(node.device)
+                held,
+                backend=node.backend,
+                dtype=node.dtype,
+                device=device_kind(node.device),
+                forward="",
             )
             continue
         try:
@@ -208,6 +221,7 @@ def binding_of(config: ClusterConfig, receipt: Receipt | None = None) -> Binding
             node.backend,
             node.dtype,
             device_kind(node.device),
+            node.forward if field == "target" and node.backend == "torch" else "",
         )
     lane = lane_params(config.lane)
     lane["capture_layers"] = session_capture_layers(config, receipt)
@@ -283,6 +297,7 @@ def _value(w: Writer, v: object) -> None:
 def _model(w: Writer, m: ModelBinding) -> None:
     w.raw(bytes.fromhex(m.model_digest), 32).raw(bytes.fromhex(m.tokenizer_digest), 32)
     w.u32(m.vocab_size).text(m.architecture).text(m.backend).text(m.dtype).text(m.device)
+    w.text(m.forward)
 
 
 def _binding(w: Writer, b: Binding) -> None:
@@ -351,10 +366,10 @@ def from_json(data: object) -> Receipt:
     """Parse the carrier; ValueError/KeyError/TypeError on a malformed one (see read_receipt)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        earlier = " (an earlier format that did not bind the device: re-qualify)"
+        earlier = EARLIER_FORMATS.get(got) if isinstance(got, str) else None
         raise ValueError(
             f"format is {got!r}, expected {FORMAT!r}"
-            + (earlier if got == "muser.qualification-receipt.v1" else "")
+            + (f" (an earlier format that {earlier}: re-qualify)" if earlier else "")
         )
     software = data["software"]
     if software["package"] != PACKAGE:

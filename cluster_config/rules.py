@@ -245,6 +245,16 @@ def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
         )
 
 
+def target_forward_applies(config: ClusterConfig, scope: Scope) -> None:
+    """verifier.forward chooses among the torch backend's forwards; vLLM runs its own."""
+    v = config.verifier
+    if v.forward != "auto" and v.backend != "torch":
+        raise ConfigError(
+            f"verifier.forward {v.forward!r} chooses the torch backend's forward, but "
+            f'verifier.backend is {v.backend!r}: remove it or set forward = "auto"'
+        )
+
+
 def tree_lane(config: ClusterConfig, scope: Scope) -> None:
     """lane.tree_nodes: trees are drafted by a torch or conditioned draft (each evaluates a
     token tree on a KV of its own) or by prompt lookup (its rows are its candidates), judged
@@ -448,6 +458,7 @@ RULES: tuple[Rule, ...] = (
     shared_tokenizer,
     capture_layers_exist,
     draft_dtype_supported,
+    target_forward_applies,
     tree_lane,
     devices_available,
     cpus_available,

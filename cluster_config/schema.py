@@ -116,6 +116,14 @@ class VerifierNode(_Strict):
         "float32", description="Target weights dtype; rows are always float64 on the host."
     )
     device: str = Field("cpu", description="torch device for the target (cpu, cuda, cuda:1).")
+    forward: Literal["auto", "packed", "lean", "transformers"] = Field(
+        "auto",
+        description="The torch target's forward: packed (Llama-family on a CPU in float32: "
+        "large weights reordered once for oneDNN, a 5-position verify at about one decode's "
+        "cost; rows within rounding of transformers'), lean (bit-equal to transformers, less "
+        "Python), transformers (the module tree); auto takes the first that holds for the "
+        "model, and a named one that does not is refused at start (docs/backends.md).",
+    )
     http: str | None = Field(
         None, description="HOST:PORT of the verifier's HTTP server: GET /metrics (default: none)."
     )

@@ -17,13 +17,18 @@ batched path needs full attention through a mask the model takes as given (sdpa 
 no sliding window) and is checked once against a cache-free forward; a model that fails the
 check keeps the one-KV path (`can_batch` False).
 
-The forward: where `llama_forward.LeanLlama` reproduces the model (Llama checkpoints under
-sdpa), the backend runs it instead of the transformers module tree, on the same weights, and
-only after `llama_forward.lean_forward` found its rows bit-equal to the transformers
-forward's on this very model, on both paths (one KV, ragged batch). The rows are the same; a
-forward of the project's small models costs a third less. `lean=False` keeps the
-transformers forward; `forward_kind` says which one runs. Captured hidden rows always come
-from the transformers forward (its hooks).
+The forward (`forward=`, `llama_forward.FORWARDS`): where `llama_forward.LeanLlama`
+reproduces the model (Llama checkpoints under sdpa), the backend runs it instead of the
+transformers module tree, on the same weights, and only after `llama_forward.checked_forward`
+found its rows bit-equal to the transformers forward's on this very model, on both paths
+(one KV, ragged batch): "lean", a third cheaper than the module tree on small models. On a
+CPU in float32, "packed" (`llama_forward.PackedLlama`) also reorders the large projections'
+weights once for oneDNN, so a few-position verify costs about one decode instead of two; its
+rows are the transformers rows within rounding (checked on load to PACKED_TOLERANCE), not
+bit for bit. "auto" (the default) takes packed, else lean, else the transformers forward; a
+named forward that does not hold is refused. `forward_kind` says which one runs. Captured
+hidden rows come from the forward that computes the logits (its kept layer outputs, or the
+transformers layers' hooks).
 
 Overrides take effect in the model itself: `rope_theta` is written into the config the
 model is built from (the rotary tables are computed from it at init), and `context_length`
@@ -51,6 +56,7 @@ from muser_torch.batched import (
     batch_inputs,
     mixed_inputs,
 )
+from muser_torch.llama_forward import FORWARDS, PackedLlama, choose_forward
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16", "float16")
@@ -119,7 +125,7 @@ class TorchBackend(HeldTokens):
         threads: int | None = 1,
         context_length: int | None = None,
         rope_theta: float | None = None,
-        lean: bool = True,
+        forward: str = "auto",
     ) -> None:
         import torch
 
@@ -129,8 +135,10 @@ class TorchBackend(HeldTokens):
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise InvalidOverrideError(f"threads {threads!r} is invalid: expected int ≥ 1")
             torch.set_num_threads(threads)  # process-wide; tiny models run faster on one
-        if not isinstance(lean, bool):
-            raise InvalidOverrideError(f"lean {lean!r} is invalid: expected true or false")
+        if forward not in FORWARDS:
+            raise InvalidOverrideError(
+                f"forward {forward!r} is invalid: expected one of {', '.join(FORWARDS)}"
+            )
         self.device = check_device(device)
         self.identity = model_identity(path)
         self.geometry = read_geometry(path, context_length=context_length, rope_theta=rope_theta)
@@ -146,11 +154,8 @@ class TorchBackend(HeldTokens):
         self._tokens: list[int] = []
         self._cache = self._new_cache()
         self._batch_ok: bool | None = None  # the batched path's one-time check, when first used
-        self._lean = None
-        if lean:
-            from muser_torch.llama_forward import lean_forward
-
-            self._lean = lean_forward(self, TorchSequence)
+        self._lean = None  # the LeanLlama (or PackedLlama) that runs, or the module tree
+        self._lean = choose_forward(self, TorchSequence, forward)
 
     def _load(self, path, rope_theta: float | None, torch_dtype):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -169,8 +174,11 @@ class TorchBackend(HeldTokens):
 
     @property
     def forward_kind(self) -> str:
-        """Which forward computes the rows: "lean" or "transformers" (module note)."""
-        return "lean" if self._lean is not None else "transformers"
+        """Which forward computes the rows: "packed", "lean" or "transformers" (module
+        note)."""
+        if self._lean is None:
+            return "transformers"
+        return "packed" if isinstance(self._lean, PackedLlama) else "lean"
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -436,13 +444,13 @@ class TorchBackend(HeldTokens):
         if not ids:
             return np.zeros((0, self.vocab_size)), {i: self._no_rows() for i in layers}
         torch = self._torch
-        captured: dict[int, Any] = {}
-        hooks = [self._hook(i, captured) for i in layers]
+        captured: dict[int, Any] = dict.fromkeys(layers)
+        hooks = [] if self._lean is not None else [self._hook(i, captured) for i in layers]
         try:
             with torch.inference_mode():
                 input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-                if self._lean is not None and not layers:
-                    logits = self._lean.solo_logits(input_ids, self._cache)
+                if self._lean is not None:
+                    logits = self._lean.solo_logits(input_ids, self._cache, captured)
                 else:
                     kwargs = {self._cache_kwarg: self._cache}  # the cache is updated in place
                     logits = self._model(input_ids=input_ids, use_cache=True, **kwargs).logits

@@ -152,13 +152,12 @@ def create_server(
     else:
         log.warning("serving an UNQUALIFIED lane (no receipt checked): %s", unqualified)
     if backend is None:
-        from verifier_gx.backends import load_target_backend
+        from verifier_gx.backends import load_target_backend, target_options
 
         backend = load_target_backend(
             config.verifier.backend,
             config.verifier.target,
-            device=config.verifier.device,
-            dtype=config.verifier.dtype,
+            **target_options(config.verifier),
         )
     health = Health(SERVICE)
     commit_log = FileLog(

@@ -24,6 +24,9 @@ wal_dir = "wal/verifier"
 commit_compact_bytes = 268435456
 target = "{target}"
 backend = "torch"
+# the torch target's forward: auto (packed where it pays: large weights reordered once for
+# oneDNN on a CPU in float32, rows bit-equal on every path; else lean), packed, lean, transformers
+forward = "auto"
 {verifier_cpus}
 [proposer]
 address = "127.0.0.1:{proposer_port}"

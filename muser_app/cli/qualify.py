@@ -244,10 +244,10 @@ def _load_backends(config: ClusterConfig) -> tuple:
     """The target as the verifier daemon loads it, the draft as the proposer daemon does."""
     from muser.identity import require_shared_tokenizer
     from proposer_mac.backends import draft_options, load_draft_backend
-    from verifier_gx.backends import load_target_backend
+    from verifier_gx.backends import load_target_backend, target_options
 
     v, p = config.verifier, config.proposer
-    target = load_target_backend(v.backend, v.target, device=v.device, dtype=v.dtype)
+    target = load_target_backend(v.backend, v.target, **target_options(v))
     draft = load_draft_backend(
         p.backend, p.draft, **draft_options(p.backend, device=p.device, dtype=p.dtype)
     )

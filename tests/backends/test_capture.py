@@ -63,15 +63,19 @@ def test_capture_layer_out_of_range_refused(layer: int, loaded) -> None:
     assert backend.length == 3
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
-def test_a_batch_captures_each_sequences_own_layers_as_each_alone(llama, lean) -> None:
+@pytest.mark.parametrize("forward", ["packed", "lean", "transformers"])
+def test_a_batch_captures_each_sequences_own_layers_as_each_alone(llama, forward,
+                                                                  monkeypatch) -> None:  # fmt: skip
     """`evaluate_batch_capture`: sequences of different lengths, each with its own layers
     (one none), in one forward: each gets its rows and its layers' rows as its own forward
-    gives them (within a batch's float rounding), and nothing of another's layers."""
+    gives them (within a batch's float rounding), and nothing of another's layers. The
+    packed forward packs every projection of the tiny checkpoint here."""
+    from muser_torch import llama_forward
     from muser_torch.backend import TorchBackend
 
-    backend = TorchBackend(llama, lean=lean)
-    assert backend.forward_kind == ("lean" if lean else "transformers")
+    monkeypatch.setattr(llama_forward, "PACK_MIN_ELEMENTS", 0)
+    backend = TorchBackend(llama, forward=forward)
+    assert backend.forward_kind == forward
     work = [(PROMPT[:7], [1, 0]), (PROMPT[3:5], []), (PROMPT[:12], [1])]
     seqs = [backend.sequence() for _ in work]
     for seq, (tokens, _) in zip(seqs, work, strict=True):  # a ragged history first

@@ -203,3 +203,36 @@ async def test_status_reports_where_draft_and_target_run(key_set, tmp_path, llam
     assert got["status"]["draft_forward"] is None  # mlx has no such choice
     assert "target on torch:cpu, lean forward" in summary(seen["status"])
     assert summary(got["status"]).count("forward") == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("forward", "runs"), [("auto", "lean"), ("transformers", "transformers"), ("packed", "packed")]
+)
+async def test_the_cluster_files_forward_is_the_verifiers_target_forward(
+    key_set,  # noqa: F811
+    tmp_path,
+    llama,
+    forward,
+    runs,
+) -> None:
+    """verifier.forward takes effect: the daemon loads its target with it ("auto" runs the
+    tiny checkpoint lean: it is below the packing threshold), and Status reports it."""
+    from muser_app.cli.status import probe
+    from tests.verifier.conftest import make_config
+    from verifier_gx.daemon import create_server
+
+    config = make_config(key_set, tmp_path / "wal")
+    verifier = config.verifier.model_copy(
+        update={"address": "127.0.0.1:0", "target": llama, "forward": forward}
+    )
+    server, port = create_server(
+        config.model_copy(update={"verifier": verifier}), unqualified="a tiny random target"
+    )
+    await server.start()
+    try:
+        seen = await asyncio.to_thread(probe, f"127.0.0.1:{port}", "verifier")
+    finally:
+        await server.stop(None)
+    assert server.manager.backend.forward_kind == runs
+    assert seen["status"]["target"]["forward"] == runs

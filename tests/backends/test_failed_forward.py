@@ -43,7 +43,7 @@ def fail_in_a_middle_layer(kind, backend, monkeypatch) -> None:
 
 @pytest.mark.parametrize(
     ("kind", "opts"),
-    [("torch", {}), ("torch", {"lean": False}), ("mlx", {})],
+    [("torch", {}), ("torch", {"forward": "transformers"}), ("mlx", {})],
     ids=["torch-lean", "torch-transformers", "mlx"],
 )
 @pytest.mark.parametrize("width", [1, 3])

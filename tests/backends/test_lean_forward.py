@@ -18,7 +18,10 @@ from tests.backends.backend_helpers import PROMPT, build_backend
 
 
 def _pair(path, **opts):
-    return build_backend("torch", path, **opts), build_backend("torch", path, lean=False, **opts)
+    return (
+        build_backend("torch", path, forward="lean", **opts),
+        build_backend("torch", path, forward="transformers", **opts),
+    )
 
 
 def _also_in_vllm_env(*cases) -> list:
@@ -111,46 +114,64 @@ def test_captured_rows_come_from_the_transformers_forward(checkpoint) -> None:
     assert np.array_equal(lean.evaluate(PROMPT[6:8]), plain.evaluate(PROMPT[6:8]))
 
 
-def test_lean_must_be_a_boolean(checkpoint) -> None:
+def test_forward_must_be_one_of_the_forwards(checkpoint) -> None:
     from muser.errors import InvalidOverrideError
     from verifier_gx.backends import load_target_backend
 
-    with pytest.raises(InvalidOverrideError, match=r"lean 'no' is invalid: expected true or"):
-        load_target_backend("torch", checkpoint("llama"), lean="no")
-    assert load_target_backend("torch", checkpoint("llama"), lean=False).forward_kind == (
-        "transformers"
-    )
+    want = r"forward 'fast' is invalid: expected one of auto, packed, lean, transformers"
+    with pytest.raises(InvalidOverrideError, match=want):
+        load_target_backend("torch", checkpoint("llama"), forward="fast")
+    assert load_target_backend(
+        "torch", checkpoint("llama"), forward="transformers"
+    ).forward_kind == ("transformers")
 
 
 def test_the_windowed_draft_reports_its_inner_forward(checkpoint) -> None:
     assert build_backend("windowed", checkpoint("llama")).forward_kind == "lean"
-    assert build_backend("windowed", checkpoint("llama"), lean=False).forward_kind == (
+    assert build_backend("windowed", checkpoint("llama"), forward="transformers").forward_kind == (
         "transformers"
     )
 
 
 def test_a_sliding_window_keeps_the_transformers_forward(checkpoint) -> None:
-    lean, plain = _pair(checkpoint("mistral", sliding_window=4))
-    assert lean.forward_kind == "transformers"
-    assert llama_forward.supports(lean._model) == "sliding-window attention"
-    assert np.array_equal(lean.evaluate(PROMPT[:9]), plain.evaluate(PROMPT[:9]))
+    """ "auto" falls back to the module tree; asking for the lean forward by name is refused
+    with the reason, not silently ignored."""
+    from muser.errors import InvalidOverrideError
+
+    path = checkpoint("mistral", sliding_window=4)
+    auto = build_backend("torch", path)
+    plain = build_backend("torch", path, forward="transformers")
+    assert auto.forward_kind == "transformers"
+    assert llama_forward.supports(auto._model) == "sliding-window attention"
+    assert np.array_equal(auto.evaluate(PROMPT[:9]), plain.evaluate(PROMPT[:9]))
+    for named in ("lean", "packed"):
+        with pytest.raises(InvalidOverrideError, match=rf"forward '{named}' refused for Mistral"
+                           rf"ForCausalLM \({named}: sliding-window attention\)"):  # fmt: skip
+            build_backend("torch", path, forward=named)
 
 
 def test_a_lean_forward_that_disagrees_is_not_used(checkpoint, monkeypatch) -> None:
     """The load-time check is what guards exactness: a forward off by one float step on the
-    logits must be caught, and the rows must then be the transformers rows."""
+    logits must be caught. "auto" then runs the transformers rows (bfloat16: nothing to
+    pack); "lean" by name is refused."""
+    from muser.errors import InvalidOverrideError
+
     real = llama_forward.LeanLlama._layers
 
-    def off(self, hidden, position_ids, mask, cache):
+    def off(self, hidden, position_ids, mask, cache, keep=None):
         import torch
 
-        out = real(self, hidden, position_ids, mask, cache)
+        out = real(self, hidden, position_ids, mask, cache, keep)
         return torch.nextafter(out, torch.full_like(out, float("inf")))  # one float step up
 
     monkeypatch.setattr(llama_forward.LeanLlama, "_layers", off)
-    backend, plain = _pair(checkpoint("llama"))
+    path = checkpoint("llama")
+    backend = build_backend("torch", path, dtype="bfloat16")
+    plain = build_backend("torch", path, dtype="bfloat16", forward="transformers")
     assert backend.forward_kind == "transformers"
     assert np.array_equal(backend.evaluate(PROMPT[:5]), plain.evaluate(PROMPT[:5]))
+    with pytest.raises(InvalidOverrideError, match=r"lean: its one-KV rows differ from the "):
+        build_backend("torch", path, forward="lean")
 
 
 def test_the_load_check_covers_one_query_batches(checkpoint, monkeypatch) -> None:

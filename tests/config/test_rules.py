@@ -357,6 +357,21 @@ def test_a_tree_lane_needs_a_backend_that_drafts_trees(cluster_file, capsys):
     assert "set lane.tree_nodes = 0" in err
 
 
+def test_verifier_forward_chooses_among_the_torch_targets_forwards(cluster_file, unqualified,
+                                                                    capsys) -> None:  # fmt: skip
+    for forward in ("auto", "packed", "lean", "transformers"):
+        set_value(cluster_file, "verifier.forward", forward)
+        assert main(["config", "check", str(cluster_file)]) == 0
+    set_value(cluster_file, "verifier.backend", "vllm")
+    err = refused(cluster_file, capsys)
+    assert "verifier.forward 'transformers' chooses the torch backend's forward, but " in err
+    assert "verifier.backend is 'vllm': remove it or set forward = \"auto\"" in err
+    set_value(cluster_file, "verifier.forward", "auto")
+    assert main(["config", "check", str(cluster_file)]) == 0
+    set_value(cluster_file, "verifier.forward", "fast")
+    assert "verifier.forward" in refused(cluster_file, capsys)
+
+
 @pytest.mark.parametrize("target", ["torch", "vllm"])
 def test_a_capturing_tree_lane_passes_on_either_target(cluster_file, unqualified, target):
     set_value(cluster_file, "lane.tree_nodes", 16)

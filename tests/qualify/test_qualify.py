@@ -108,7 +108,7 @@ def test_signed_fields_cannot_be_edited(tmp_path):
     """Every signed field of the file is covered: editing any one breaks the signature."""
     signer = keys.generate()
     model = q.ModelBinding(
-        "ab" * 32, "cd" * 32, 2048, "LlamaForCausalLM", "torch", "float32", "cpu"
+        "ab" * 32, "cd" * 32, 2048, "LlamaForCausalLM", "torch", "float32", "cpu", "auto"
     )
     binding = q.Binding("0.1.0", model, model, {"draft_len": 4, "capture_layers": [1]})
     evidence = q.Evidence(4, "ef" * 32, 256, 1e-4, 1024, 9e-6, 1400, 650)
@@ -121,6 +121,7 @@ def test_signed_fields_cannot_be_edited(tmp_path):
         ("target", "model_digest", "00" * 32),
         ("draft", "dtype", "bfloat16"),
         ("target", "device", "cuda"),
+        ("target", "forward", "lean"),
         ("lane", "draft_len", 5),
         ("lane", "capture_layers", [2]),
         ("evidence", "accepted", 1300),
@@ -143,6 +144,10 @@ def test_signed_fields_cannot_be_edited(tmp_path):
     v1 = {**original, "format": "muser.qualification-receipt.v1"}  # bound no device
     path.write_text(json.dumps(v1))
     with pytest.raises(q.QualificationError, match="did not bind the device: re-qualify"):
+        q.read_receipt(path)
+    v2 = {**original, "format": "muser.qualification-receipt.v2"}  # bound no forward
+    path.write_text(json.dumps(v2))
+    with pytest.raises(q.QualificationError, match="did not bind the target's forward: re-qual"):
         q.read_receipt(path)
 
 
@@ -262,6 +267,7 @@ K = DEFAULT_Q_TOP_K
         (f"q_top_k = {K}", f"q_top_k = {K}\ncapture_layers = [0]", "lane.capture_layers:"),
         ('wal_dir = "wal/verifier"\n', 'wal_dir = "wal/verifier"\ndtype = "bfloat16"\n',
          "target dtype: qualified 'float32', now 'bfloat16'"),
+        ('forward = "auto"', 'forward = "lean"', "target forward: qualified 'auto', now 'lean'"),
     ],
 )  # fmt: skip
 def test_verifier_refuses_after_lane_params_changed(qualified, capsys, old, new, expected):

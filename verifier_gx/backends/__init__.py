@@ -37,4 +37,19 @@ def load_target_backend(
     )
 
 
-__all__ = ["CAPTURE_KINDS", "TARGET_KINDS", "TargetKind", "load_target_backend"]
+def target_options(verifier) -> dict[str, object]:
+    """The backend options a cluster file's [verifier] names: device and dtype for either
+    kind, the forward for torch (vLLM runs its own)."""
+    opts: dict[str, object] = {"device": verifier.device, "dtype": verifier.dtype}
+    if verifier.backend == "torch":
+        opts["forward"] = verifier.forward
+    return opts
+
+
+__all__ = [
+    "CAPTURE_KINDS",
+    "TARGET_KINDS",
+    "TargetKind",
+    "load_target_backend",
+    "target_options",
+]
