@@ -22,11 +22,13 @@ reproduces the model (Llama checkpoints under sdpa), the backend runs it instead
 transformers module tree, on the same weights, and only after `llama_forward.checked_forward`
 found its rows bit-equal to the transformers forward's on this very model, on both paths
 (one KV, ragged batch): "lean", a third cheaper than the module tree on small models. On a
-CPU in float32, "packed" (`llama_forward.PackedLlama`) also reorders the large projections'
-weights once for oneDNN, so a few-position verify costs about one decode instead of two; its
-rows are the transformers rows within rounding (checked on load to PACKED_TOLERANCE), not
-bit for bit. "auto" (the default) takes packed, else lean, else the transformers forward; a
-named forward that does not hold is refused. `forward_kind` says which one runs. Captured
+CPU in float32, "packed" (`llama_forward.PackedLlama`) also reorders the projections'
+weights once for oneDNN and attends one query at a time, so a few-position verify costs
+about one decode instead of two and a position's row is the same bits on every path (decode,
+chunk, prefill, batch, tree); its rows are the transformers rows within rounding (checked on
+load to PACKED_TOLERANCE), not bit for bit. "auto" (the default) takes packed for models
+large enough to gain (PACK_MIN_ELEMENTS), else lean, else the transformers forward; a named
+forward that does not hold is refused. `forward_kind` says which one runs. Captured
 hidden rows come from the forward that computes the logits (its kept layer outputs, or the
 transformers layers' hooks).
 

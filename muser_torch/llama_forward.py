@@ -25,6 +25,7 @@ refused by `supports`.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, NamedTuple
 
 ARCHITECTURES = (
@@ -299,8 +300,9 @@ class PackedLlama(LeanLlama):
             for layer in self.layers
         ]
         self.lm_head = pack(self.lm_head)
-        self._plan_for: Any = None  # the mask (or shape) `_plan` was made for
-        self._plan: list = []
+        # `_keys_seen`'s last plan and the mask (or shape) it was made for, per thread: forks
+        # of one backend share this object, and two threads may each run a forward
+        self._plans = threading.local()
 
     def _linear(self, x, weight, bias=None):
         rows = x.reshape(-1, x.shape[-1])
@@ -315,10 +317,9 @@ class PackedLlama(LeanLlama):
         ascending indices of the ones it sees. Made once a forward (every layer shares the
         mask). No mask: the queries are the last `width` positions, causal."""
         key = mask if mask is not None else (batch, width, length)
-        if self._plan_for is not None and (
-            self._plan_for is key if mask is not None else self._plan_for == key
-        ):
-            return self._plan
+        made_for = getattr(self._plans, "made_for", None)
+        if made_for is not None and (made_for is key if mask is not None else made_for == key):
+            return self._plans.plan
         torch = self._torch
         if mask is None:
             plan = [[length - width + j + 1 for j in range(width)] for _ in range(batch)]
@@ -337,7 +338,7 @@ class PackedLlama(LeanLlama):
                 ]
                 for b in range(batch)
             ]
-        self._plan_for, self._plan = key, plan
+        self._plans.made_for, self._plans.plan = key, plan
         return plan
 
     def _attend(self, q, k, v, mask):
