@@ -233,8 +233,8 @@ FORWARDS = ("auto", "packed", "lean", "transformers")
 module tree, "auto" the first of packed, lean, transformers that holds for the model."""
 
 PACK_MIN_ELEMENTS = 1 << 18
-""""auto" packs a model whose largest projection has this many elements (576 × 576 is
-331,776): below it oneDNN's call costs more than MKL's unpacked product saves, and the tiny
+""""auto" packs a model whose largest matrix (a projection, or the embedding that is its tied
+head) has this many elements (SmolLM2's 576 × 576 is 331,776): below it oneDNN's call costs more than MKL's unpacked product saves, and the tiny
 models run faster lean (one thread, measured: docs/backends.md "The packed forward")."""
 
 PACKED_TOLERANCE = 1e-3
