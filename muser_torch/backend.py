@@ -156,7 +156,7 @@ class TorchBackend(HeldTokens):
         self._tokens: list[int] = []
         self._cache = self._new_cache()
         self._batch_ok: bool | None = None  # the batched path's one-time check, when first used
-        self._lean = None  # the LeanLlama (or PackedLlama) that runs, or the module tree
+        # the LeanLlama (or PackedLlama) that runs, or None: the module tree
         self._lean = choose_forward(self, TorchSequence, forward)
 
     def _load(self, path, rope_theta: float | None, torch_dtype):

@@ -64,16 +64,13 @@ def test_capture_layer_out_of_range_refused(layer: int, loaded) -> None:
 
 
 @pytest.mark.parametrize("forward", ["packed", "lean", "transformers"])
-def test_a_batch_captures_each_sequences_own_layers_as_each_alone(llama, forward,
-                                                                  monkeypatch) -> None:  # fmt: skip
+def test_a_batch_captures_each_sequences_own_layers_as_each_alone(llama, forward) -> None:
     """`evaluate_batch_capture`: sequences of different lengths, each with its own layers
     (one none), in one forward: each gets its rows and its layers' rows as its own forward
     gives them (within a batch's float rounding), and nothing of another's layers. The
-    packed forward packs every projection of the tiny checkpoint here."""
-    from muser_torch import llama_forward
+    packed forward, asked for by name, packs every projection of the tiny checkpoint."""
     from muser_torch.backend import TorchBackend
 
-    monkeypatch.setattr(llama_forward, "PACK_MIN_ELEMENTS", 0)
     backend = TorchBackend(llama, forward=forward)
     assert backend.forward_kind == forward
     work = [(PROMPT[:7], [1, 0]), (PROMPT[3:5], []), (PROMPT[:12], [1])]
