@@ -173,15 +173,21 @@ def test_overrides_take_effect(toy, window) -> None:
     assert sorted(tap.rows(0, 10)) == [1, 5, 8]
 
 
-def lane_acceptance(target_dir, draft, prompts: list[list[int]], max_tokens: int) -> float:
-    """Greedy acceptance of the local lane with `draft` over `prompts` (D = 4)."""
-    target, drafted, accepted = TorchBackend(target_dir), 0, 0
+def lane_counts(target_dir, draft, prompts: list[list[int]], max_tokens: int) -> list[tuple]:
+    """(drafted, accepted) of the local lane with `draft` on each of `prompts`, greedy, D = 4."""
+    target, counts = TorchBackend(target_dir), []
     for ids in prompts:
         target.reset()
         draft.reset()
         r = run_local(target, draft, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
-    return accepted / drafted
+        counts.append((r.stats.drafted, r.stats.accepted))
+    return counts
+
+
+def lane_acceptance(target_dir, draft, prompts: list[list[int]], max_tokens: int) -> float:
+    """Greedy acceptance of the local lane with `draft` over `prompts` (D = 4)."""
+    counts = lane_counts(target_dir, draft, prompts, max_tokens)
+    return sum(a for _, a in counts) / sum(d for d, _ in counts)
 
 
 def test_the_seeds_window_bug_a_draft_run_on_a_window_it_was_not_trained_for(toy) -> None:
@@ -191,28 +197,35 @@ def test_the_seeds_window_bug_a_draft_run_on_a_window_it_was_not_trained_for(toy
     context, the likeliest hard-coded number), over six long held-out natural prompts
     (~840–1,850 tokens, so every window bites).
 
-    Measured on the session-32 build (6 prompts × 64 tokens): W/2 0.262, W 0.211, 16 W 0.153.
-    16 W loses clearly: the draft attends over distances it never saw. W/2 loses nothing —
-    this draft reads the target's rows at the position before, which carry the target's
-    whole context, and its own attention adds little beyond a few dozen tokens (W/16 still
-    0.234; training through a sliding window of W changed neither, docs/conditioned.md). So
-    W/2 is measured and printed, not asserted to lose; a draft that needs its window (a
-    block drafter reading its context through it, as the record's did) would lose there.
-    The periodic control catches neither: its draft needs only its last few tokens."""
+    What is asserted is the mechanism: the draft as loaded runs on the declared window (the
+    very drafts and acceptances, prompt by prompt, of the draft told W explicitly), and W/2
+    and 16 W each change what it drafts (the windows bite). How much a wrong window costs
+    is a property of one trained draft, so it is measured and printed, not asserted: on the
+    session-32 build (6 prompts × 64 tokens) W/2 0.262, W 0.211, 16 W 0.153; on a fresh
+    build in session 37 0.198, 0.200, 0.194. This draft reads the
+    target's rows at the position before, which carry the target's whole context, so its
+    own attention adds little beyond a few dozen tokens (W/16 0.234 on the session-32
+    build; docs/conditioned.md); a draft that needs its window (a block drafter reading its
+    context through it, as the record's did) would lose more. The periodic control catches
+    neither: its draft needs only its last few tokens."""
     target, draft_dir, tokenizer = toy
     declared = read_spec(draft_dir).window
     prompts = [tokenizer.encode(cut.text) for cut in prompt_cuts(6, chars=3000)]
     assert min(map(len, prompts)) > 4 * declared  # every window below bites
     windows = {"half": declared // 2, "declared": declared, "16x": 16 * declared}
-    run_on = {**windows, "declared": None}  # declared: as loaded, the window read from the
-    natural = {  # checkpoint (a hard-coded one would score as the window it hard-codes)
-        name: lane_acceptance(
+    counts = {
+        name: lane_counts(
             target, load_draft_backend("conditioned", draft_dir, window=w), prompts, 64
         )  # fmt: skip
-        for name, w in run_on.items()
+        for name, w in {**windows, "as loaded": None}.items()
     }
-    report = ", ".join(f"{k} {windows[k]}: {v:.3f}" for k, v in natural.items())
-    assert natural["16x"] < 0.85 * natural["declared"], report
+    natural = {name: sum(a for _, a in c) / sum(d for d, _ in c) for name, c in counts.items()}
+    report = ", ".join(f"{k} {windows[k]}: {natural[k]:.3f}" for k in windows)
+    # as loaded = the window read from the checkpoint (a hard-coded one would draft as the
+    # window it hard-codes), and a window other than the declared one changes the drafts
+    assert counts["as loaded"] == counts["declared"], report
+    assert counts["half"] != counts["declared"], report
+    assert counts["16x"] != counts["declared"], report
     fx = build_fixtures(progress=False).periodic
     ptok = AutoTokenizer.from_pretrained(str(fx.target))
     periodic = [ptok.encode(periodic_prompt())]
