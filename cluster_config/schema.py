@@ -229,6 +229,17 @@ class Lane(_Strict):
         "one target step each (verifier-side decode: the wire is paid once per decode_len "
         "tokens; the text is that of decode_len singleton rounds). The verifier refuses more.",
     )
+    lookup_stop: bool = Field(
+        True,
+        description="With the n-gram draft, a round without drafts also ends after the first "
+        "token prompt lookup would extend (the verifier runs the draft's lookup over the "
+        "tokens it decodes), so the next round drafts from that match instead of the "
+        "verifier decoding past it: a round per match rather than a round per token "
+        "(decode_len 1) or matches missed (decode_len 8). Needs a verifier that offers "
+        "`lookup-stop`; ignored for model drafts. Greedy text is the same either way and "
+        "sampled text has the same distribution (a seed gives the local lane's text at "
+        "decode_len 1 with it, at lane.decode_len without).",
+    )
     tree_nodes: int = Field(
         0,
         ge=0,

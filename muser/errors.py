@@ -181,6 +181,11 @@ class DecodeLengthError(RoundValidationError):
     may still emit, over the lane's decode_len, or on a session that captures hidden rows."""
 
 
+class LookupRuleError(RoundValidationError):
+    """A decode round's lookup rule (`RoundRequest.lookup`) the verifier may not follow: on a
+    round with drafts, or an n outside [1, muser.lookup.LOOKUP_MAX_N], or min_n > max_n."""
+
+
 class InvalidPromptError(RefusedError):
     """A prompt fragment that is empty or not a whole number of u32 token ids."""
 

@@ -178,6 +178,12 @@ class RoundRequest:
     the frontier), and `q_rows` holds one row per position with children, in position
     order. Empty for a chain. A tree request is its own domain ("tree-round-request"), so
     a peer that knows only chains refuses its bytes and never reads it as one."""
+    lookup: tuple[int, ...] = ()
+    """A decode round that also ends where prompt lookup (`muser.lookup`) would propose:
+    (min_n, max_n), and the verifier stops after the first token whose sequence's suffix
+    occurred before, so the proposer's n-gram draft drafts the next round (its own domain,
+    "lookup-round-request": a verifier that does not know it refuses it). Empty: the round
+    decodes `decode_len` tokens, ending early only at a stop token."""
 
     @property
     def is_tree(self) -> bool:
@@ -190,7 +196,15 @@ class RoundRequest:
         return Tree.from_wire(self.parents, self.drafts, self.q_rows)
 
     def encode(self) -> bytes:
-        w = Writer(TREE_REQUEST if self.parents else "round-request").raw(self.session_id, 16)
+        if self.lookup and (self.parents or len(self.lookup) != 2):
+            raise CanonicalError(
+                f"a lookup round names (min_n, max_n) and no tree; got lookup "
+                f"{list(self.lookup)} with {len(self.parents)} tree nodes"
+            )
+        domain = (
+            TREE_REQUEST if self.parents else LOOKUP_REQUEST if self.lookup else "round-request"
+        )
+        w = Writer(domain).raw(self.session_id, 16)
         w.u64(self.round).u64(self.epoch).raw(self.expected_head, 32).u32(self.frontier)
         w.u32s(self.drafts)
         if self.parents:
@@ -199,16 +213,21 @@ class RoundRequest:
         for row in self.q_rows:
             w.u32s(np.asarray(row.ids)).f64s(np.asarray(row.weights))
         w.raw(self.pre_state_digest, 32).blobs(self.transcript_digests).text(self.proposer_key_id)
-        return w.u32(self.decode_len).bytes()
+        w.u32(self.decode_len)
+        for n in self.lookup:
+            w.u32(n)
+        return w.bytes()
 
     @classmethod
     def decode(cls, data: bytes) -> RoundRequest:
-        tree = domain_of(data) == TREE_REQUEST
-        r = Reader(data, TREE_REQUEST if tree else "round-request")
+        domain = domain_of(data)
+        tree, lookup = domain == TREE_REQUEST, domain == LOOKUP_REQUEST
+        r = Reader(data, domain if tree or lookup else "round-request")
         head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.u32(), tuple(r.u32s()))
         parents = _tree_parents(r) if tree else ()
         rows = tuple(SparseRow(r.u32_array(), r.f64_array()) for _ in range(r.u32()))
-        out = cls(*head, rows, r.raw(32), tuple(r.blobs()), r.text(), r.u32(), parents)
+        body = (rows, r.raw(32), tuple(r.blobs()), r.text(), r.u32(), parents)
+        out = cls(*head, *body, (r.u32(), r.u32()) if lookup else ())
         r.end()
         return out
 
@@ -222,6 +241,10 @@ TREE_REQUEST, TREE_RESULT, TREE_RECORD = (
     "tree-round-record",
 )
 """The domains of a tree round's records: a chain's keep theirs, byte for byte."""
+
+LOOKUP_REQUEST = "lookup-round-request"
+"""The domain of a decode round's request that ends where prompt lookup proposes
+(`RoundRequest.lookup`); its result is a decode round's, in the chain's domain."""
 
 
 def _shifted(values: Sequence[int], by: int) -> list[int]:

@@ -259,6 +259,9 @@ class DriverContext:
 
 def fit_decode(s: ProposerSession, features) -> None:
     """A capturing session's draftless rounds decode one token on a verifier that does not
-    offer `capture-decode` (one from before session 32 refuses more); else lane.decode_len."""
+    offer `capture-decode` (one from before session 32 refuses more); else lane.decode_len.
+    They end at a lookup match (`ProposerSession.lookup`) on a verifier that offers
+    `lookup-stop` (one from before session 37 refuses such a round)."""
+    s.lookup_offered = "lookup-stop" in features
     if s.open.capture_layers and "capture-decode" not in features:
         s.width.decode_len_max = 1

@@ -35,6 +35,7 @@ from muser.tasks import in_background
 from muser.wire import convert
 from muser.wire import muser_v2_pb2 as pb
 from proposer_mac import journal
+from proposer_mac.backends.ngram import NgramDraft
 from proposer_mac.context import DriverContext
 from proposer_mac.drafting import Drafter
 from proposer_mac.driver import SessionRunner
@@ -241,6 +242,11 @@ class ProposerCore:
         tree_seq = session.tree is not None and hasattr(self.draft, "sequence")
         backend = draft_kv(self.draft, self.draft_batch or tree_seq)
         drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
+        if self.config.lane.lookup_stop and isinstance(self.draft, NgramDraft):
+            session.lookup = (
+                self.draft.min_n,
+                self.draft.max_n,
+            )  # its decode rounds end at a match
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
         self._forget_finished()

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
 from muser.errors import MuserError, RefusedError, TreeTopologyError
+from muser.lookup import PromptLookup
 from muser.mt19937 import Mt19937
 from muser.records import (
     Identity,
@@ -99,6 +100,13 @@ class ProposerSession:
     tree: TreePolicy | None = None
     """Chooses the shape of each tree its rounds draft (lane.tree_nodes and lane.width,
     `muser.tree_width`); None: chains. A speed policy, never journaled."""
+    lookup: tuple[int, ...] = ()
+    """Its n-gram draft's lookup rule (min_n, max_n) when lane.lookup_stop holds: its decode
+    rounds end where that draft would propose (`RoundRequest.lookup`) on a verifier that
+    offers `lookup-stop` (`decode_lookup`); () for a model draft. A speed choice, never
+    journaled."""
+    lookup_offered: bool = False
+    """Whether the verifier that answered its last open offers `lookup-stop`."""
     _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
     """The last result check_result passed and the MT state after it."""
 
@@ -147,6 +155,11 @@ class ProposerSession:
         return self.open.params
 
     @property
+    def decode_lookup(self) -> tuple[int, ...]:
+        """The lookup rule its next decode round carries (() : none)."""
+        return self.lookup if self.lookup_offered else ()
+
+    @property
     def session_id(self) -> bytes:
         return self.open.session_id
 
@@ -177,7 +190,8 @@ class ProposerSession:
         parents: Sequence[int] = (),
     ) -> Signed:
         """The signed request of the next round; with `after`, of the round after the one in
-        flight, on that round's predicted outcome (`predict`)."""
+        flight, on that round's predicted outcome (`predict`). A decode round carries
+        `decode_lookup`."""
         round_, head, transcript, state = (
             (self.next_round, self.head, self.transcript, self.state)
             if after is None
@@ -196,6 +210,7 @@ class ProposerSession:
             self.open.proposer_key_id,
             decode_len,
             tuple(int(p) for p in parents),
+            () if drafts else self.decode_lookup,
         )
         return Signed.of(request, private.sign)
 
@@ -350,11 +365,28 @@ class ProposerSession:
             return
         early = any(t in stops for t in emitted[:-1])
         short = len(emitted) < request.decode_len and emitted[-1] not in stops
+        if request.lookup:
+            early, short = self._check_lookup_stop(request, emitted, early, short)
         if len(emitted) > request.decode_len or early or short:
+            rule = f" or where lookup {list(request.lookup)} proposes" if request.lookup else ""
             raise ResultRejected(
                 f"decode round asked for {request.decode_len} tokens (ending early only at a "
-                f"stop token {list(stops)}); the result emits {emitted}"
+                f"stop token {list(stops)}{rule}); the result emits {emitted}"
             )
+
+    def _check_lookup_stop(
+        self, request: RoundRequest, emitted: list[int], early: bool, short: bool
+    ) -> tuple[bool, bool]:
+        """A lookup round (`RoundRequest.lookup`) ends early exactly after its first token
+        that prompt lookup extends: (early, short) with that rule applied — `early` when an
+        earlier token was one, `short` when the round stopped short at no match."""
+        lookup = PromptLookup(*request.lookup, self.transcript)
+        matched = []
+        for token in emitted:
+            lookup.push(int(token))
+            matched.append(lookup.proposal() is not None)
+        early = early or any(matched[:-1])
+        return early, short and not matched[-1]
 
     @property
     def moves(self) -> int:

@@ -20,14 +20,17 @@ from muser.errors import (
     DraftZeroProbabilityError,
     FragmentMismatchError,
     FrontierMismatchError,
+    InvalidOverrideError,
     InvalidPromptError,
     InvalidSamplingParamsError,
+    LookupRuleError,
     MissingFragmentsError,
     ModelMismatchError,
     RowCountError,
     TokenOutOfVocabularyError,
     TreeUnsupportedError,
 )
+from muser.lookup import check_lookup_n
 from muser.records import (
     RoundRequest,
     SessionOpen,
@@ -205,6 +208,22 @@ def check_decode(state: SessionState, request: RoundRequest, max_decode_len: int
         raise DecodeLengthError(
             f"decode_len {k} received; session {sid} may emit {state.remaining} more tokens"
         )
+    if request.lookup:
+        check_lookup_rule(request)
+
+
+def check_lookup_rule(request: RoundRequest) -> None:
+    """A decode round that ends where prompt lookup proposes: no drafts (the proposer drafts
+    the round after it), (min_n, max_n) within muser.lookup's bounds."""
+    if request.drafts:
+        raise LookupRuleError(
+            f"a round with {len(request.drafts)} drafts carries lookup {list(request.lookup)}; "
+            "only a decode round (no drafts) ends at a lookup match"
+        )
+    try:
+        check_lookup_n(*request.lookup, what="lookup")
+    except InvalidOverrideError as exc:
+        raise LookupRuleError(str(exc)) from exc
 
 
 def check_drafts(

@@ -259,7 +259,7 @@ class RoundComputer:
         exception."""
         work = [
             (executors[i], jobs[i].state.transcript, jobs[i].state.mt, jobs[i].request.decode_len,
-             jobs[i].state.params, captures[i])
+             jobs[i].state.params, captures[i], jobs[i].request.lookup)
             for i in which
         ]  # fmt: skip
         for i, decoded in zip(which, decode_batch(self.backend, work), strict=True):

@@ -7,6 +7,13 @@ singleton rounds (DESIGN.md §4, D = 0) back to back — the same target rows, t
 the wire, the WAL commit and the signatures are paid once per k tokens instead of once per
 token, and the local lane (which runs the same function) emits the same text.
 
+A round may also name a lookup rule (`RoundRequest.lookup`: min_n, max_n): it then ends
+after the first token whose sequence prompt lookup (`muser.lookup`) would extend, as the
+proposer's n-gram draft reads it. That is where the local lane would draft its next round,
+so the proposer drafts it: the round's tokens are the ones the k singleton rounds would
+give, cut where a drafted round would begin. Lookup reads only tokens, never a row or a
+draw, so it changes how many tokens a round emits and nothing about any of them.
+
 `decode_batch` runs the decode rounds of several sessions in lockstep: step i of every round
 still decoding goes through one forward (`witness_each`), so n sessions' k-token rounds cost
 k forwards rather than n × k. Each round's rows, draws and tokens are computed exactly as
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from muser.backend import ModelBackend, batches
+from muser.lookup import PromptLookup
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, target_probs
 from muser.verify import RoundDecision, judge_round
@@ -51,11 +59,13 @@ class _Decoding:
         decode_len: int,
         params: SamplingParams,
         capture: Capture | None = None,
+        lookup: Sequence[int] = (),
     ) -> None:
         if decode_len < 1:
             raise ValueError(f"decode_len must be >= 1, got {decode_len}")
         self.executor, self.decode_len, self.params = executor, decode_len, params
         self.sequence = [int(t) for t in transcript]
+        self.lookup = PromptLookup(*lookup, self.sequence) if lookup else None
         self.rng = state
         self.tokens: list[int] = []
         self.rows: list[np.ndarray] = []
@@ -84,7 +94,12 @@ class _Decoding:
         self.tokens.append(decision.next_frontier)
         self.sequence.append(decision.next_frontier)
         self.rows.append(logits[0])
-        return len(self.tokens) == self.decode_len or decision.next_frontier in p.stop_tokens
+        if len(self.tokens) == self.decode_len or decision.next_frontier in p.stop_tokens:
+            return True
+        if self.lookup is None:
+            return False
+        self.lookup.push(decision.next_frontier)
+        return self.lookup.proposal() is not None
 
     def result(self) -> Decoded:
         captured = {layer: np.concatenate(parts) for layer, parts in self.captured.items()}
@@ -97,10 +112,12 @@ def decode_round(
     state: Mt19937,
     decode_len: int,
     params: SamplingParams,
+    lookup: Sequence[int] = (),
 ) -> Decoded:
     """Sample up to `decode_len` tokens after `transcript` (which ends with the frontier): each
-    step is a singleton round (DESIGN.md §4) judged by `judge_round`, its KV settled."""
-    work = [(executor, transcript, state, decode_len, params)]
+    step is a singleton round (DESIGN.md §4) judged by `judge_round`, its KV settled; with a
+    `lookup` rule (min_n, max_n), ending after the first token prompt lookup extends."""
+    work = [(executor, transcript, state, decode_len, params, None, lookup)]
     (out,) = decode_batch(executor.cursor.backend, work)
     if isinstance(out, Exception):
         raise out
@@ -111,8 +128,8 @@ def decode_batch(
     backend: ModelBackend,
     work: Sequence[tuple],
 ) -> list[Decoded | Exception]:
-    """`decode_round` of each (executor, transcript, state, decode_len, params[, capture]),
-    in lockstep:
+    """`decode_round` of each (executor, transcript, state, decode_len, params[, capture[,
+    lookup]]), in lockstep:
     one `witness_each` forward per step over the rounds still decoding. A round that fails
     (its forward, its row) gets its exception in its place; the others go on without it.
 

@@ -48,6 +48,7 @@ from muser.errors import (
     InvalidSamplingParamsError,
     InvalidWeightsError,
     JournalError,
+    LookupRuleError,
     MissingFragmentsError,
     ModelMismatchError,
     MuserError,
@@ -114,6 +115,7 @@ STATUS: dict[type[BaseException], tuple[grpc.StatusCode, str]] = {
     DraftZeroProbabilityError: (C.INVALID_ARGUMENT, "draft_zero_probability"),
     DraftOverrunError: (C.INVALID_ARGUMENT, "too_many_drafts"),
     DecodeLengthError: (C.INVALID_ARGUMENT, "decode_len"),
+    LookupRuleError: (C.INVALID_ARGUMENT, "lookup_rule"),
     DraftMismatchError: (C.FAILED_PRECONDITION, "draft_mismatch"),
     TreeTopologyError: (C.INVALID_ARGUMENT, "malformed_tree"),
     TreeUnsupportedError: (C.FAILED_PRECONDITION, "tree_rounds_unsupported"),
@@ -214,6 +216,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             features=[
                 *(["tree-rounds"] if self.manager.rounds.judges_trees else []),
                 "capture-decode",
+                "lookup-stop",
                 *(["capture-trees"] if self.manager.rounds.captures_trees else []),
             ],  # fmt: skip
         )

@@ -139,6 +139,7 @@ def request_to_pb(signed: Signed) -> pb.RoundRequest:
         signature=signed.signature,
         decode_len=r.decode_len,
         parents=list(r.parents),
+        lookup=list(r.lookup),
     )
 
 
@@ -157,6 +158,7 @@ def request_from_pb(m: pb.RoundRequest) -> Signed:
         m.proposer_key_id,
         m.decode_len,
         parents_from_pb(m.parents),
+        tuple(m.lookup),
     )
     return Signed(r.encode(), m.signature, r)
 

@@ -113,7 +113,7 @@ class SparseRow(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature", "decode_len", "parents")
+    __slots__ = ("session_id", "round", "epoch", "expected_head", "frontier", "drafts", "q_rows", "pre_state_digest", "transcript_digests", "proposer_key_id", "signature", "decode_len", "parents", "lookup")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class RoundRequest(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DECODE_LEN_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     round: int
     epoch: int
@@ -140,7 +141,8 @@ class RoundRequest(_message.Message):
     signature: bytes
     decode_len: int
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., decode_len: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    lookup: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., decode_len: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., lookup: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundResult(_message.Message):
     __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s", "decoded", "parents", "path")

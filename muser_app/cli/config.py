@@ -48,6 +48,10 @@ draft_len = {draft_len}
 width = "adaptive"
 # tokens a draftless round (D = 0) asks the verifier to decode itself
 decode_len = 8
+# with the n-gram draft, such a round also ends where the lookup would propose, so the next
+# round drafts that match (greedy text is the same either way, sampled text has the same
+# distribution)
+lookup_stop = true
 # token trees: each round drafts a tree of at most this many nodes, draft_len deep, judged
 # in one target call (docs/trees.md); with width = "adaptive" each session learns which
 # size pays (no draft, the chain, wider trees) and draws each tree best first from its

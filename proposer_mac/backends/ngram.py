@@ -3,7 +3,8 @@ llama.cpp's lookup decoding and transformers' `prompt_lookup_num_tokens` do it.
 
 After each token the draft looks for an earlier occurrence of the sequence's last n tokens,
 for n from `max_n` down to `min_n`, and proposes the token that followed the most recent such
-occurrence. Drafting a chain feeds each proposal back in, so a chain follows one earlier
+occurrence (`muser.lookup.PromptLookup`, the index the verifier also reads to end a decode
+round where this draft would propose: `verifier_gx.decode`). Drafting a chain feeds each proposal back in, so a chain follows one earlier
 passage for as long as it keeps matching. The defaults (2..3) measured best on the real
 pair's held-out prompts: a 1-token match proposes too often and is rejected too often, and on
 a CPU every rejected position costs a quarter of a decode (docs/benchmarks.md).
@@ -37,9 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from muser.backend import Geometry, HeldTokens, ModelIdentity
-from muser.errors import InvalidOverrideError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import NGRAM_MAX_N, NGRAM_MIN_N, model_identity, ngram_identity
+from muser.lookup import PromptLookup
 from muser.sampling import SparseRow
 
 CANDIDATE_OCCURRENCES = 16
@@ -83,27 +84,23 @@ class NgramDraft(HeldTokens):
         return draft
 
     def _setup(self, target: ModelIdentity, geometry: Geometry, min_n: int, max_n: int) -> None:
-        for name, value in (("min_n", min_n), ("max_n", max_n)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidOverrideError(f"ngram {name} {value!r} is invalid: expected int ≥ 1")
-        if min_n > max_n:
-            raise InvalidOverrideError(f"ngram min_n {min_n} exceeds max_n {max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        self._lookup = PromptLookup(min_n, max_n)
+        self.min_n, self.max_n = self._lookup.min_n, self._lookup.max_n
         self.identity = ngram_identity(target, min_n, max_n)
         self.geometry = geometry
         self.device = "cpu"
-        self._tokens: list[int] = []
-        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n + 1)]
-        """_ends[n][gram]: the lengths of the prefixes that end with `gram`, ascending."""
+
+    @property
+    def _tokens(self) -> list[int]:
+        return self._lookup.tokens
+
+    @property
+    def _ends(self) -> list[dict[tuple[int, ...], list[int]]]:
+        return self._lookup.ends
 
     def proposal(self) -> int | None:
         """The token after the most recent earlier occurrence of the longest matching suffix."""
-        seq, length = self._tokens, len(self._tokens)
-        for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            ends = self._ends[n].get(tuple(seq[length - n :]))
-            if ends is not None and len(ends) >= 2:  # ends[-1] is the suffix itself
-                return seq[ends[-2]]
-        return None
+        return self._lookup.proposal()
 
     def candidates(
         self, after: Sequence[int] = (), limit: int = CANDIDATE_OCCURRENCES
@@ -157,21 +154,11 @@ class NgramDraft(HeldTokens):
         """An empty sequence with the same settings (each session drafts on its own)."""
         twin = object.__new__(NgramDraft)
         twin.__dict__.update(self.__dict__)
-        twin._tokens, twin._ends = [], [{} for _ in range(self.max_n + 1)]
+        twin._lookup = PromptLookup(self.min_n, self.max_n)
         return twin
 
     def _push(self, token: int) -> None:
-        self._tokens.append(token)
-        length = len(self._tokens)
-        for n in range(1, min(self.max_n, length) + 1):
-            self._ends[n].setdefault(tuple(self._tokens[length - n :]), []).append(length)
+        self._lookup.push(token)
 
     def _pop(self) -> None:
-        length = len(self._tokens)
-        for n in range(1, min(self.max_n, length) + 1):
-            gram = tuple(self._tokens[length - n :])
-            ends = self._ends[n][gram]
-            ends.pop()  # always the last: prefixes are pushed and popped in order
-            if not ends:
-                del self._ends[n][gram]
-        self._tokens.pop()
+        self._lookup.pop()

@@ -118,14 +118,24 @@ def test_status_waits_for_both_daemons_and_says_where_they_run_and_their_heap(cl
         assert gc["watched"] and gc["frozen"] > 100_000, gc
 
 
-def test_a_cluster_drafting_by_ngram_lookup_is_exact(tmp_path, fixture_pair, models):
+@pytest.mark.parametrize("lookup_stop", [True, False])
+def test_a_cluster_drafting_by_ngram_lookup_is_exact(
+    tmp_path, fixture_pair, models, lookup_stop
+) -> None:
     """proposer.backend = "ngram": the receipt binds the lookup's identity (not the target's
     checkpoint it reads), sessions open, greedy text is plain decode's and sampled text the
-    local lane's with the same draft."""
+    local lane's with the same draft. With lane.lookup_stop (the default) a decode round ends
+    where the lookup proposes, so the cluster's rounds are the local lane's singleton rounds
+    grouped, and its sampled text the local lane's at decode_len 1; without, a round the
+    lookup declines decodes lane.decode_len tokens, and its text is the local lane's at that
+    decode_len. The two texts differ (asserted), so each run tells the knob's setting."""
     from tests.cluster.conftest import make_cluster
 
     tok, target, _ = models
-    cluster = make_cluster(tmp_path, fixture_pair, draft_kind="ngram")
+    off = "lookup_stop = false"
+    edit = None if lookup_stop else (lambda text: text.replace("lookup_stop = true", off))
+    cluster = make_cluster(tmp_path, fixture_pair, draft_kind="ngram", edit=edit)
+    assert cluster.config.lane.lookup_stop is lookup_stop
     cluster.start()
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=128)
@@ -138,12 +148,16 @@ def test_a_cluster_drafting_by_ngram_lookup_is_exact(tmp_path, fixture_pair, mod
             assert got["stats"]["drafted"] > 0
         sampled = SamplingParams(temperature=1.0, max_tokens=96, seed=7)
         prompt = encode(tok, natural_prompts(1)[0])
-        target.reset()
-        ngram = load_draft_backend("ngram", fixture_pair.target)
-        lane = cluster.config.lane  # a round the lookup declines decodes lane.decode_len
-        width = FixedWidth(lane.draft_len, lane.decode_len)
-        local = run_local(target, ngram, prompt, sampled, q_top_k=lane.q_top_k, width=width)
-        local = local.tokens
-        assert stream_generate(cluster.address, prompt, sampled)["tokens"] == local
+        lane = cluster.config.lane
+        local = {}
+        for decode_len in (1, lane.decode_len):
+            target.reset()
+            ngram = load_draft_backend("ngram", fixture_pair.target)
+            width = FixedWidth(lane.draft_len, decode_len)
+            run = run_local(target, ngram, prompt, sampled, q_top_k=lane.q_top_k, width=width)
+            local[decode_len] = run.tokens
+        assert lane.decode_len > 1 and local[1] != local[lane.decode_len]
+        wanted = local[1] if lookup_stop else local[lane.decode_len]
+        assert stream_generate(cluster.address, prompt, sampled)["tokens"] == wanted
     finally:
         cluster.stop()

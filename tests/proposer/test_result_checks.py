@@ -274,3 +274,60 @@ def test_a_capturing_session_decodes_what_its_verifier_offers(layers, features, 
     )  # fmt: skip
     fit_decode(session, features)
     assert session.width.decode_len(32) == decode_len
+
+
+def decode_result(session, signed_req, tokens, verifier_key) -> Signed:
+    """The signed result of a decode round that emitted `tokens` (one draw each, sampled)."""
+    post = advance(session.state, 0 if session.params.greedy else len(tokens))
+    unsigned = RoundResult(
+        session.session_id, session.next_round, session.epoch, session.head,
+        sha256(signed_req.body), session.transcript[-1], (), 0, tokens[-1], state_digest(post),
+        transcript_digest(session.transcript + tokens), (), b"\0" * 32,
+        keys.key_id(verifier_key.public_key()), tuple(tokens[:-1]),
+    )  # fmt: skip
+    result = dataclasses.replace(unsigned, head=unsigned.expected_head())
+    return Signed(result.encode(), verifier_key.sign(result.encode()))
+
+
+@pytest.mark.parametrize("features", [["lookup-stop"], []])
+def test_a_lookup_round_is_held_to_its_first_match(setup, features):
+    """An n-gram session's decode rounds carry its lookup rule on a verifier that offers
+    `lookup-stop` (none else); the result must end after its first token the lookup
+    extends: one that runs past that match, or stops short of any, is refused."""
+    from muser.lookup import PromptLookup
+    from muser.width import FixedWidth
+    from proposer_mac.context import fit_decode
+    from tests.verifier.test_decode_batch import lookup_cut
+    from verifier_gx.decode import decode_round
+    from verifier_gx.executor import TargetExecutor
+
+    session, proposer_key, verifier_key, enrolled = setup
+    session.width, session.lookup = FixedWidth(0, 8), (2, 3)
+    session.transcript = [1, 2, 3, 4, 1, 2, 5, 6, 7, 5]
+    fit_decode(session, features)
+    signed_req = session.build_request([], [], proposer_key, 8)
+    request = RoundRequest.decode(signed_req.body)
+    assert request.lookup == ((2, 3) if features else ())
+    drafted = session.build_request(*honest_parts(session), proposer_key)
+    assert RoundRequest.decode(drafted.body).lookup == ()  # a round with drafts: never
+    full = decode_round(TargetExecutor(FakeBackend()), session.transcript, session.state, 8,
+                        session.params).tokens  # fmt: skip
+    n = lookup_cut(session.transcript, full, (2, 3))
+    assert 1 < n < 8  # this transcript's decode meets a match after a few tokens
+    honest = full[:n] if features else full
+    for tokens in (full, full[: n - 1], honest):
+        result = decode_result(session, signed_req, tokens, verifier_key)
+        if tokens is honest:
+            assert session.check_result(signed_req, result, enrolled).emitted() == honest
+        else:
+            with pytest.raises(ResultRejected, match="decode round asked for 8 tokens"):
+                session.check_result(signed_req, result, enrolled)
+    assert PromptLookup(2, 3, [*session.transcript, *full[:n]]).proposal() is not None
+
+
+def honest_parts(session):
+    """A chain draft's (drafts, q_rows) for the session's next round."""
+    proposal = Drafter(FakeBackend(order=1, salt=1), session.params, q_top_k=8).draft(
+        session.transcript, session.state, 2
+    )
+    return proposal.drafts, proposal.q_rows

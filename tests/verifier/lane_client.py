@@ -118,6 +118,8 @@ class LaneClient:
     capture_layers: tuple[int, ...] = ()
     decode_len: int = 1
     """Tokens a draftless round asks the verifier to decode (capped at what remains)."""
+    lookup: tuple[int, ...] = ()
+    """The lookup rule a draftless round carries (`RoundRequest.lookup`); (): none."""
     tree_shape: list[int] = field(default_factory=list)
     """Tree rounds of this shape (`Drafter.tree_steps`: `draft` must be a sequence of a torch
     draft); empty: chains."""
@@ -211,6 +213,7 @@ class LaneClient:
             self.key_id,
             1 if depth else min(self.decode_len, remaining),
             tuple(proposal.parents),
+            () if proposal.drafts else self.lookup,
         )
 
     def sign(self, request: RoundRequest, key: Ed25519PrivateKey | None = None) -> pb.RoundRequest:

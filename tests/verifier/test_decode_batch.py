@@ -142,3 +142,44 @@ def test_a_batching_target_runs_one_forward_per_step_for_every_round(torch_targe
         )
         assert g.tokens == want.tokens and len(g.tokens) == k
         np.testing.assert_allclose(g.logits, want.logits, atol=1e-4)
+
+
+def lookup_cut(prompt, tokens, lookup) -> int:
+    """How many of `tokens` a lookup round keeps: up to its first token that prompt lookup
+    extends (all of them when none is)."""
+    from muser.lookup import PromptLookup
+
+    index = PromptLookup(*lookup, prompt)
+    for i, token in enumerate(tokens):
+        index.push(token)
+        if index.proposal() is not None:
+            return i + 1
+    return len(tokens)
+
+
+@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(temperature=0.0, max_tokens=64)])
+@pytest.mark.parametrize("lookup", [(1, 1), (1, 3), (2, 3)])
+def test_a_lookup_round_is_its_decode_round_cut_at_the_first_match(params, lookup):
+    """The same tokens, rows and draws as the decode round without the rule, ending after
+    the first token whose sequence prompt lookup extends; lockstep rounds equal each alone."""
+    cuts = []
+    for seed in range(6):
+        for prompt in PROMPTS:
+            state = Mt19937.from_seed(seed)
+            full = alone(FakeBackend, prompt, state, 16, params)
+            got = decode_round(
+                TargetExecutor(FakeBackend()), prompt, state.copy(), 16, params, lookup
+            )
+            n = lookup_cut(prompt, full.tokens, lookup)
+            assert got.tokens == full.tokens[:n]
+            np.testing.assert_array_equal(got.logits, full.logits[:n])
+            draws = 0 if params.greedy else n  # one draw per token, as without the rule
+            assert got.post_state.draws - state.draws == draws
+            cuts.append(n)
+    assert min(cuts) < 16  # the rule cut rounds short
+    work = [(TargetExecutor(FakeBackend()), p, Mt19937.from_seed(i), 16, params, None, lookup)
+            for i, p in enumerate(PROMPTS)]  # fmt: skip
+    for i, (g, p) in enumerate(zip(decode_batch(FakeBackend(), work), PROMPTS, strict=True)):
+        want = decode_round(TargetExecutor(FakeBackend()), p, Mt19937.from_seed(i), 16, params,
+                            lookup)  # fmt: skip
+        assert_same(g, want)

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from muser.records import RoundRequest, sha256
+from muser.records import RoundRequest, RoundResult, sha256
 from muser.sampling import SamplingParams, SparseRow
 from muser.wire import muser_v2_pb2 as pb
 from tests.core.fake_backend import FakeBackend
@@ -84,6 +84,14 @@ MUTATIONS = {
     "decode_len_with_drafts": (lambda r: dataclasses.replace(r, decode_len=2),
                                C.INVALID_ARGUMENT, "decode_len"),
     "decode_len_over_the_lane": (lambda r: undrafted(r, 9), C.INVALID_ARGUMENT, "decode_len"),
+    "lookup_with_drafts": (lambda r: dataclasses.replace(r, lookup=(2, 3)),
+                           C.INVALID_ARGUMENT, "lookup_rule"),
+    "lookup_n_zero": (lambda r: dataclasses.replace(undrafted(r, 4), lookup=(0, 3)),
+                      C.INVALID_ARGUMENT, "lookup_rule"),
+    "lookup_min_over_max": (lambda r: dataclasses.replace(undrafted(r, 4), lookup=(3, 2)),
+                            C.INVALID_ARGUMENT, "lookup_rule"),
+    "lookup_n_past_the_bound": (lambda r: dataclasses.replace(undrafted(r, 4), lookup=(2, 17)),
+                                C.INVALID_ARGUMENT, "lookup_rule"),
     "more_drafts_than_the_lane": (lambda r: dataclasses.replace(r, drafts=r.drafts * 2,
                                                                 q_rows=r.q_rows * 2),
                                   C.INVALID_ARGUMENT, "too_many_drafts"),
@@ -398,6 +406,30 @@ async def test_decode_rounds_emit_exactly_their_singleton_rounds(verifier):
     one, eight = runs[1], runs[8]
     assert eight.out == one.out and len(one.out) == SAMPLED.max_tokens
     assert (len(one.results), len(eight.results)) == (40, 5)
+
+
+async def test_lookup_rounds_end_at_the_first_match_and_emit_the_singleton_rounds(verifier):
+    """A decode round with a lookup rule ends after its first token that prompt lookup
+    extends (or at decode_len): the text is the singleton rounds' all the same."""
+    from muser.lookup import PromptLookup
+
+    singles = verifier.client(SAMPLED, epoch=3, draft_len=0, decode_len=1)
+    looked = verifier.client(SAMPLED, epoch=3, draft_len=0, decode_len=8, lookup=(1, 2))
+    for client in (singles, looked):
+        await client.open_session()
+        await client.run(await client.attach())
+    assert looked.out == singles.out and len(looked.out) == SAMPLED.max_tokens
+    lookup, cut = PromptLookup(1, 2, looked.prompt), 0
+    for signed in looked.results:
+        emitted = RoundResult.decode(signed.body).emitted()
+        matched = []
+        for token in emitted:
+            lookup.push(token)
+            matched.append(lookup.proposal() is not None)
+        assert not any(matched[:-1]), emitted  # no match passed over
+        assert matched[-1] or len(emitted) == 8 or len(lookup) == len(looked.transcript)
+        cut += matched[-1] and len(emitted) < 8
+    assert cut >= 3 and 5 < len(looked.results) < 40  # rounds ended at matches, and ran on
 
 
 async def test_a_round_wider_than_the_lane_says_so(verifier):

@@ -61,3 +61,33 @@ def test_a_result_through_protobuf_is_the_record_its_body_encodes():
     back = convert.result_from_pb(convert.result_to_pb(signed))
     assert back == signed and back.record.encode() == back.body
     assert result_of(Signed.decode(back.encode())) == r  # decoded: equal, not the same object
+
+
+def test_a_lookup_round_is_its_own_domain_and_crosses_the_wire():
+    """A decode round with a lookup rule encodes under its own domain (a chain reader refuses
+    it; a round without the rule keeps its bytes), crosses the wire whole, and a rule that
+    is not (min_n, max_n), or rides on a tree, is refused before it is signed or read."""
+    import dataclasses
+
+    import pytest
+
+    from muser.canonical import CanonicalError, Reader
+
+    plain = dataclasses.replace(request(), drafts=(), q_rows=(), decode_len=8)
+    looked = dataclasses.replace(plain, lookup=(2, 3))
+    assert RoundRequest.decode(looked.encode()) == looked
+    assert looked.encode() != plain.encode() and RoundRequest.decode(plain.encode()).lookup == ()
+    with pytest.raises(CanonicalError):
+        Reader(looked.encode(), "round-request")
+    back = request_of(convert.request_from_pb(convert.request_to_pb(Signed.of(looked, KEY.sign))))
+    assert back.lookup == (2, 3) and back.encode() == looked.encode()
+    message = convert.request_to_pb(Signed.of(looked, KEY.sign))
+    del message.lookup[1]
+    with pytest.raises(
+        CanonicalError, match=r"names \(min_n, max_n\) and no tree; got lookup \[2\]"
+    ):
+        convert.request_from_pb(message)
+    with pytest.raises(CanonicalError, match="with 1 tree nodes"):
+        dataclasses.replace(
+            looked, parents=(-1,), drafts=(5,), q_rows=request().q_rows[:1]
+        ).encode()
