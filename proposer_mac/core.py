@@ -243,10 +243,8 @@ class ProposerCore:
         backend = draft_kv(self.draft, self.draft_batch or tree_seq)
         drafter = Drafter(backend, session.params, self.config.lane.q_top_k)
         if self.config.lane.lookup_stop and isinstance(self.draft, NgramDraft):
-            session.lookup = (
-                self.draft.min_n,
-                self.draft.max_n,
-            )  # its decode rounds end at a match
+            # its decode rounds end where its lookup matches (`ProposerSession.lookup`)
+            session.lookup = (self.draft.min_n, self.draft.max_n)
         runner = SessionRunner(session, drafter, self.context, owns_draft_kv=own)
         self.runners[session.session_id] = runner
         self._forget_finished()

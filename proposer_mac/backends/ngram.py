@@ -4,10 +4,11 @@ llama.cpp's lookup decoding and transformers' `prompt_lookup_num_tokens` do it.
 After each token the draft looks for an earlier occurrence of the sequence's last n tokens,
 for n from `max_n` down to `min_n`, and proposes the token that followed the most recent such
 occurrence (`muser.lookup.PromptLookup`, the index the verifier also reads to end a decode
-round where this draft would propose: `verifier_gx.decode`). Drafting a chain feeds each proposal back in, so a chain follows one earlier
-passage for as long as it keeps matching. The defaults (2..3) measured best on the real
-pair's held-out prompts: a 1-token match proposes too often and is rejected too often, and on
-a CPU every rejected position costs a quarter of a decode (docs/benchmarks.md).
+round where this draft would propose: `verifier_gx.decode`). Drafting a chain feeds each
+proposal back in, so a chain follows one earlier passage for as long as it keeps matching.
+The defaults (2..3) measured best on the real pair's held-out prompts: a 1-token match
+proposes too often and is rejected too often, and on a CPU every rejected position costs a
+quarter of a decode (docs/benchmarks.md).
 
 What q is. The draft speaks the backend contract (`muser.backend`): its row after a token is
 raw logits, 0 at the proposed token and -inf everywhere else. Every transform the session
