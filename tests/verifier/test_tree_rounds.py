@@ -64,7 +64,7 @@ def tree_client(v: Verifier, pair, params: SamplingParams, shape=SHAPE, **kw):
 async def run_session(v: Verifier, pair, params: SamplingParams, shape=SHAPE):
     client = tree_client(v, pair, params, shape)
     reply = await client.open_session()
-    assert list(reply.features) == ["tree-rounds", "capture-decode", "capture-trees"]
+    assert list(reply.features) == ["tree-rounds", "capture-decode", "lookup-stop", "capture-trees"]
     stream = await client.attach()
     await client.run(stream)
     await stream.close()
@@ -251,7 +251,7 @@ async def test_a_chains_only_verifier_says_so_and_refuses_a_tree(key_set, tmp_pa
     try:
         client = tree_client(v, pair, GREEDY)
         reply = await client.open_session()
-        assert list(reply.features) == ["capture-decode"]
+        assert list(reply.features) == ["capture-decode", "lookup-stop"]
         stream = await client.attach()
         err = await expect_refused(
             v, client, stream, client.sign(client.draft_request()),
@@ -342,7 +342,7 @@ async def test_a_verifier_that_captures_chains_only_refuses_a_capturing_tree(
     try:
         client = tree_client(v, pair, GREEDY, capture_layers=(0,))
         reply = await client.open_session()
-        assert list(reply.features) == ["tree-rounds", "capture-decode"]
+        assert list(reply.features) == ["tree-rounds", "capture-decode", "lookup-stop"]
         stream = await client.attach()
         err = await expect_refused(
             v, client, stream, client.sign(client.draft_request()),
