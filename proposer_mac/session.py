@@ -102,9 +102,8 @@ class ProposerSession:
     `muser.tree_width`); None: chains. A speed policy, never journaled."""
     lookup: tuple[int, ...] = ()
     """Its n-gram draft's lookup rule (min_n, max_n) when lane.lookup_stop holds: its decode
-    rounds end where that draft would propose (`RoundRequest.lookup`) on a verifier that
-    offers `lookup-stop` (`decode_lookup`); () for a model draft. A speed choice, never
-    journaled."""
+    rounds end where that draft would propose (`RoundRequest.lookup`), when `decode_lookup`
+    says so; () for a model draft. A speed choice, never journaled."""
     lookup_offered: bool = False
     """Whether the verifier that answered its last open offers `lookup-stop`."""
     _checked: tuple[RoundResult, Mt19937] | None = field(default=None, repr=False)
@@ -156,8 +155,13 @@ class ProposerSession:
 
     @property
     def decode_lookup(self) -> tuple[int, ...]:
-        """The lookup rule its next decode round carries (() : none)."""
-        return self.lookup if self.lookup_offered else ()
+        """The lookup rule its next decode round carries: its own (`lookup`) where the verifier
+        offers `lookup-stop` and the session drafts chains at all now (its width policy's D >
+        0), so a match the round stops at is drafted next; () else — stopping a decode round
+        at a match that no round drafts would only cost round trips."""
+        if not (self.lookup and self.lookup_offered) or self.tree is not None:
+            return ()
+        return self.lookup if self.width.choose(self.params.max_tokens) > 0 else ()
 
     @property
     def session_id(self) -> bytes:

@@ -292,8 +292,9 @@ def decode_result(session, signed_req, tokens, verifier_key) -> Signed:
 @pytest.mark.parametrize("features", [["lookup-stop"], []])
 def test_a_lookup_round_is_held_to_its_first_match(setup, features):
     """An n-gram session's decode rounds carry its lookup rule on a verifier that offers
-    `lookup-stop` (none else); the result must end after its first token the lookup
-    extends: one that runs past that match, or stops short of any, is refused."""
+    `lookup-stop` (none else) while its width drafts (D > 0: at D = 0 no round would draft
+    the match); the result must end after its first token the lookup extends: one that runs
+    past that match, or stops short of any, is refused."""
     from muser.lookup import PromptLookup
     from muser.width import FixedWidth
     from proposer_mac.context import fit_decode
@@ -305,7 +306,10 @@ def test_a_lookup_round_is_held_to_its_first_match(setup, features):
     session.width, session.lookup = FixedWidth(0, 8), (2, 3)
     session.transcript = [1, 2, 3, 4, 1, 2, 5, 6, 7, 5]
     fit_decode(session, features)
-    signed_req = session.build_request([], [], proposer_key, 8)
+    undrafting = session.build_request([], [], proposer_key, 8)
+    assert RoundRequest.decode(undrafting.body).lookup == ()  # D = 0: no round drafts a match
+    session.width = FixedWidth(3, 8)
+    signed_req = session.build_request([], [], proposer_key, 8)  # the lookup declined
     request = RoundRequest.decode(signed_req.body)
     assert request.lookup == ((2, 3) if features else ())
     drafted = session.build_request(*honest_parts(session), proposer_key)
