@@ -244,7 +244,7 @@ class Lane(_Strict):
         0,
         ge=0,
         le=64,
-        description="Token trees (DESIGN.md §4.1): each round drafts a tree of at most this "
+        description="Token trees (docs/trees.md): each round drafts a tree of at most this "
         "many nodes, draft_len deep, and the verifier judges every branch in one target "
         'call. With width = "fixed" every tree has the budget\'s uniform shape; with '
         '"adaptive" each session learns its size (no draft, the chain, trees of 2, 4 and 7 '

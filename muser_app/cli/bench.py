@@ -44,8 +44,10 @@ def register(sub, name: str, help_text: str) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per run (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per lane (default 3)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of every sampled run's MT19937 (default 0)"
+    )
+    p.add_argument("--draft-len", type=int, default=4, help="drafts per round D (default 4)")
     p.add_argument(
         "--draft-range",
         default=None,

@@ -1,4 +1,5 @@
-"""`muser config init|check|show`: write, check and print the cluster file."""
+"""`muser config init|check|show|reference`: write, check and print the cluster file, and
+print the configuration reference."""
 
 from __future__ import annotations
 
@@ -129,7 +130,12 @@ def register(sub, name: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text, description=help_text)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     init = actions.add_parser("init", help="write a working loopback cluster into DIR")
-    init.add_argument("--dir", type=Path, required=True)
+    init.add_argument(
+        "--dir",
+        type=Path,
+        required=True,
+        help="folder to write cluster.toml, its keys and its WAL folders into",
+    )
     from muser_app.cli._common import add_pair_args
 
     add_pair_args(init)
@@ -141,7 +147,9 @@ def register(sub, name: str, help_text: str) -> None:
         default=None,
         help="a trained draft's backend (default torch; the n-gram draft has its own)",
     )
-    init.add_argument("--draft-len", type=int, default=4)
+    init.add_argument(
+        "--draft-len", type=int, default=4, help="lane.draft_len: drafts per round D (default 4)"
+    )
     init.add_argument(
         "--tree-nodes",
         type=int,
@@ -166,7 +174,7 @@ def register(sub, name: str, help_text: str) -> None:
     )
     init.set_defaults(func=run_init)
     check = actions.add_parser("check", help="validate a cluster file (exit 0 ok, 2 refused)")
-    check.add_argument("config", type=Path)
+    check.add_argument("config", type=Path, help="the cluster file (cluster.toml) to check")
     check.add_argument(
         "--role",
         choices=["verifier", "proposer"],
@@ -174,9 +182,15 @@ def register(sub, name: str, help_text: str) -> None:
     )
     check.set_defaults(func=run_check)
     show = actions.add_parser("show", help="print the resolved configuration (paths absolute)")
-    show.add_argument("config", type=Path)
+    show.add_argument("config", type=Path, help="the cluster file (cluster.toml) to print")
     show.add_argument("--json", action="store_true", help="one JSON object instead of TOML")
     show.set_defaults(func=run_show)
+    reference = actions.add_parser(
+        "reference",
+        help="print the configuration reference (every cluster-file key and command flag) "
+        "as Markdown: docs/configuration.md",
+    )
+    reference.set_defaults(func=run_reference)
 
 
 def free_port() -> int:
@@ -380,4 +394,11 @@ def run_show(args: argparse.Namespace) -> int:
 
     data = resolved(load_config(args.config))
     print(json.dumps(data) if args.json else to_toml(data))
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    from muser_app.reference import render
+
+    print(render(), end="")
     return 0

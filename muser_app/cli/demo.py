@@ -56,7 +56,9 @@ def register(sub, name: str, help_text: str) -> None:
         "--max-tokens", type=_int_in(1), default=128, help="tokens per prompt (default 128)"
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampled generations (default 0)"
+    )
     p.add_argument(
         "--draft-len", type=_int_in(0, 64), default=4, help="drafts per round D (default 4)"
     )

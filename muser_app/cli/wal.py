@@ -28,7 +28,12 @@ def register(subparsers: argparse._SubParsersAction, name: str, help_text: str) 
     inspect = actions.add_parser(
         "inspect", help="segments, record counts, sequence range, sessions and heads, torn tail"
     )
-    inspect.add_argument("directory", type=Path, metavar="DIR")
+    inspect.add_argument(
+        "directory",
+        type=Path,
+        metavar="DIR",
+        help="a log directory: the verifier's WAL_DIR/commit or the proposer's WAL_DIR/journal",
+    )
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     _interpreter_arg(inspect)
     inspect.set_defaults(func=cmd_inspect)
@@ -36,7 +41,12 @@ def register(subparsers: argparse._SubParsersAction, name: str, help_text: str) 
     verify = actions.add_parser(
         "verify", help="check every checksum, hash chain and (given keys) signature"
     )
-    verify.add_argument("directory", type=Path, metavar="DIR")
+    verify.add_argument(
+        "directory",
+        type=Path,
+        metavar="DIR",
+        help="a log directory: the verifier's WAL_DIR/commit or the proposer's WAL_DIR/journal",
+    )
     verify.add_argument(
         "--pubkey",
         action="append",
@@ -52,7 +62,12 @@ def register(subparsers: argparse._SubParsersAction, name: str, help_text: str) 
     repair = actions.add_parser(
         "repair", help="keep every record before the first bad one, move the rest to quarantine/"
     )
-    repair.add_argument("directory", type=Path, metavar="DIR")
+    repair.add_argument(
+        "directory",
+        type=Path,
+        metavar="DIR",
+        help="a log directory: the verifier's WAL_DIR/commit or the proposer's WAL_DIR/journal",
+    )
     repair.add_argument("--json", action="store_true", help="print one JSON object")
     repair.set_defaults(func=cmd_repair)
 
