@@ -1,4 +1,4 @@
-"""Qualification receipts (DESIGN.md §7): the signed evidence that a lane reproduced the
+"""Qualification receipts (docs/design.md §8): the signed evidence that a lane reproduced the
 non-speculative oracle on its exact models, and the check that refuses a lane without one.
 
 `muser qualify --config FILE` runs the lane against plain target decode (muser_app.cli.qualify)
@@ -61,7 +61,7 @@ EARLIER_FORMATS = {
 DOMAIN = "qualification-receipt"
 PACKAGE = "muser-cluster"
 MIN_TOKENS = 256
-"""Greedy tokens per prompt a qualification must compare (DESIGN.md §7)."""
+"""Greedy tokens per prompt a qualification must compare (docs/design.md §8)."""
 DEFAULT_TOLERANCE = 1e-4
 """Largest |log p_lane - log p_oracle| allowed over every entry of every target row. The
 target computes in float32 and a (D+1)-token forward sums in another order than a 1-token

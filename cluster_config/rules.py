@@ -483,7 +483,7 @@ def check_rules(
     scope = _scope(role, backends)
     for rule in RULES:
         rule(config, scope)
-    if receipt and "verifier" in scope:  # last: it digests both checkpoints (DESIGN.md §7)
+    if receipt and "verifier" in scope:  # last: it digests both checkpoints (docs/design.md §8)
         from cluster_config.qualification import require_receipt
 
         require_receipt(config)

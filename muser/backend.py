@@ -47,7 +47,7 @@ class ModelIdentity:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Geometry read from the checkpoint's own config (DESIGN.md §8), after overrides."""
+    """Geometry read from the checkpoint's own config (docs/design.md §9), after overrides."""
 
     context_length: int
     num_layers: int

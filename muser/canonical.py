@@ -1,4 +1,4 @@
-"""Canonical byte encoding, written out field by field (DESIGN.md §6).
+"""Canonical byte encoding, written out field by field (docs/design.md §7).
 
 Everything that is signed or hashed is encoded here, never via protobuf serialisation:
 

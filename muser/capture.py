@@ -1,5 +1,5 @@
 """Capture fragments: the target's hidden rows at one capture layer, verifier → proposer
-(DESIGN.md §4.2, §6). Content-addressed like every fragment (SHA-256 of these bytes) and
+(docs/conditioned.md, docs/design.md §7). Content-addressed like every fragment (SHA-256 of these bytes) and
 named, in the session's layer order, by the signed round result, so a corrupted or
 substituted fragment is refused before the draft reads a row of it.
 

@@ -15,7 +15,7 @@ class RefusedError(MuserError):
     exit_code = 2
 
 
-# --- round validation (DESIGN.md §4): all raised before a single MT draw -------------------
+# --- round validation (docs/design.md §2): all raised before a single MT draw -------------------
 
 
 class RoundValidationError(RefusedError):
@@ -90,7 +90,7 @@ class UnknownBackendError(RefusedError):
     """A backend kind that is not one of the implemented kinds."""
 
 
-# --- the verifier's sessions and round transaction (DESIGN.md §5, §6) ------------------------
+# --- the verifier's sessions and round transaction (docs/design.md §6, §7) ------------------------
 # Each maps to one gRPC status in verifier_gx/servicer.py (the table is there).
 
 

@@ -1,4 +1,4 @@
-"""Fault-injection points between the steps of the durable transaction (DESIGN.md §5), for
+"""Fault-injection points between the steps of the durable transaction (docs/design.md §6), for
 the crash sweep (tests/cluster/test_fault_points.py).
 
     MUSER_TEST_CRASH_AT="verifier.after_compute@3"

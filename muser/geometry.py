@@ -1,4 +1,4 @@
-"""Geometry read from the checkpoint's own config.json, never hard-coded (DESIGN.md §8).
+"""Geometry read from the checkpoint's own config.json, never hard-coded (docs/design.md §9).
 
 Overrides are explicit keyword arguments; an override of an invalid value is refused with a
 message that quotes it. Values in config.json are checked the same way, so a broken

@@ -1,4 +1,4 @@
-"""Model identity: who a checkpoint is, bit for bit (DESIGN.md §7, §8).
+"""Model identity: who a checkpoint is, bit for bit (docs/design.md §8, §9).
 
 `model_digest` is SHA-256 over config.json, every *.safetensors file and the tokenizer
 files; `tokenizer_digest` over the tokenizer files alone. Files are taken in sorted name

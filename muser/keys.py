@@ -1,4 +1,4 @@
-"""Ed25519 keys: each verifier signs results, each proposer signs requests (DESIGN.md §6).
+"""Ed25519 keys: each verifier signs results, each proposer signs requests (docs/design.md §7).
 
 Private keys are PKCS#8 PEM written 0600; public keys SubjectPublicKeyInfo PEM. A key id is
 the first 16 hex digits of SHA-256 over the raw 32-byte public key.

@@ -93,9 +93,9 @@ from muser.stats import (
 )
 
 TOKENS_PER_ROUND_BUCKETS = (*range(1, 17), 24, 32, 48, 65)
+"""Upper bounds for tokens per round: one bucket per count up to 16 (draft_len <= 64)."""
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 """Upper bounds for rounds per batch (limits.max_batch)."""
-"""Upper bounds for tokens per round: one bucket per count up to 16 (draft_len <= 64)."""
 
 
 @dataclass(frozen=True)

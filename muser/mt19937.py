@@ -1,7 +1,7 @@
 """The pinned MT19937 stream (Matsumoto & Nishimura, 1998; reference `mt19937ar.c`).
 
 Every random decision in a session draws from one of these, isolated from every library RNG,
-so that a round can be replayed bit for bit on the other machine (DESIGN.md §4). The API is
+so that a round can be replayed bit for bit on the other machine (docs/design.md §2). The API is
 small and stable because other implementations call it:
 
     Mt19937.from_seed(int)      init_genrand

@@ -57,7 +57,7 @@ def transcript_digest(tokens: Sequence[int]) -> bytes:
 
 
 def draws_for_round(depth: int, accepted: int, greedy: bool, emitted: int = 1) -> int:
-    """uniform_f64 draws one round consumes (DESIGN.md §4): D drafting draws, one judging draw
+    """uniform_f64 draws one round consumes (docs/design.md §2): D drafting draws, one judging draw
     per attempted draft, one for the next frontier; none when greedy. A round without drafts
     (a decode round) draws once per token it emits: it is that many singleton rounds."""
     if greedy:
@@ -174,7 +174,7 @@ class RoundRequest:
     one draw each, stopping early at a stop token: `decode_len` singleton rounds in one
     (verifier-side decode). 1 for every round with drafts."""
     parents: tuple[int, ...] = ()
-    """A tree round (DESIGN.md §4.1, muser.tree): each draft node's parent (-1: the root,
+    """A tree round (docs/design.md §3, muser.tree): each draft node's parent (-1: the root,
     the frontier), and `q_rows` holds one row per position with children, in position
     order. Empty for a chain. A tree request is its own domain ("tree-round-request"), so
     a peer that knows only chains refuses its bytes and never reads it as one."""
@@ -346,7 +346,7 @@ class RoundResult:
         return [*self.drafts[: self.accepted], *self.decoded, self.next_frontier]
 
     def draws(self, greedy: bool) -> int:
-        """The uniform_f64 draws this round consumed (DESIGN.md §4, §4.1); a tree round's
+        """The uniform_f64 draws this round consumed (docs/design.md §2, §3); a tree round's
         path must be one of its topology (`muser.tree.check_path`, TreeTopologyError)."""
         if self.parents:
             check_path(self.parents, self.path)

@@ -1,4 +1,4 @@
-"""Round geometry, the carried frontier and the draft row's default width (DESIGN.md §4),
+"""Round geometry, the carried frontier and the draft row's default width (docs/design.md §2),
 shared by every lane.
 
 A session's transcript is the prompt followed by every emitted token; its last token is the

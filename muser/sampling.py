@@ -1,4 +1,4 @@
-"""Sampling maths shared bit for bit by both sides (DESIGN.md §4). Pure: no I/O, no RNG.
+"""Sampling maths shared bit for bit by both sides (docs/design.md §2). Pure: no I/O, no RNG.
 
 Target side: raw logits -> float64 probability rows under the session's params
 (temperature, then top-k, then softmax, then top-p). Draft side: the same transform on the

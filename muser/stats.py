@@ -6,7 +6,7 @@ bench and the CLI read `LaneStats.to_dict()`. Nothing here does I/O.
 Conventions, written once:
 - tokens per round counts every token a round emits, the next frontier included (a + 1);
 - acceptance = accepted drafts / drafted tokens;
-- the verifier-only ceiling = emitted tokens / sum of verifier compute wall (DESIGN.md §9);
+- the verifier-only ceiling = emitted tokens / sum of verifier compute wall (docs/design.md §10);
 - the round split is draft, transport, verify (target compute + judge), wal (durable appends,
   the commit included), sign; each phase is summed (`draft_s`, ...) and kept per round in a
   histogram. `observe_round` closes a round: what the sums gained since the previous close is
@@ -156,7 +156,7 @@ class LaneStats:
     """Wall spent handing those rows to the draft (in the draft thread, behind any
     speculation running there)."""
     tree_nodes: int = 0
-    """Nodes the lane's tree rounds drafted (DESIGN.md §4.1). A tree round counts its depth
+    """Nodes the lane's tree rounds drafted (docs/design.md §3). A tree round counts its depth
     in `drafted` and its accepted path in `accepted`, so acceptance means what a chain's
     does: of the tokens a round could accept, those it did."""
     tree_shape: list[int] | None = None

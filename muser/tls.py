@@ -1,4 +1,4 @@
-"""Transport TLS for every gRPC channel to a daemon (DESIGN.md §6).
+"""Transport TLS for every gRPC channel to a daemon (docs/design.md §7).
 
 Mutual TLS under one cluster CA (the `[tls]` section of cluster.toml):
 

@@ -1,4 +1,4 @@
-"""Drafting and judging one tree round (DESIGN.md §4.1). Pure: a topology, rows and an MT
+"""Drafting and judging one tree round (docs/design.md §3). Pure: a topology, rows and an MT
 state in, a decision out.
 
 A tree of N draft nodes. Node i carries a token and a parent: -1 for the root (the

@@ -1,4 +1,4 @@
-"""The shape of each tree round (DESIGN.md §4.1), shared by every lane that drafts trees: a
+"""The shape of each tree round (docs/design.md §3), shared by every lane that drafts trees: a
 speed policy, like the chain's width (`muser.width`). Any shape chosen before a round is
 lossless; a shape that depends on timing changes which uniforms a sampled round uses, so a
 seed then pins the distribution of the text rather than the text.

@@ -1,4 +1,4 @@
-"""Judging one linear round (DESIGN.md §4). Pure: rows and an MT state in, a decision out.
+"""Judging one linear round (docs/design.md §2). Pure: rows and an MT state in, a decision out.
 
 Glossary (the same words in the wire, the WAL, the metrics and the CLI):
   frontier f         target-selected token whose target KV row does not exist yet

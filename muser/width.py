@@ -1,7 +1,7 @@
 """The draft width D of each round, shared by every lane (adaptive width).
 
 Any D chosen from what is known before a round is lossless: the round's arithmetic holds for
-every D (DESIGN.md §4), and every request carries its own D, so a width policy changes speed,
+every D (docs/design.md §2), and every request carries its own D, so a width policy changes speed,
 never the distribution of the text. It does change *which* uniforms a sampled round uses,
 so two lanes emit the same tokens for a seed exactly when they run the same widths
 (`ScriptedWidth` replays a recorded schedule for that).

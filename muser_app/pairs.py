@@ -1,4 +1,4 @@
-"""Pairs by name (DESIGN.md §8): a target and the drafts built for it.
+"""Pairs by name (docs/design.md §9): a target and the drafts built for it.
 
 - `smollm2` (the default): SmolLM2-135M-Instruct, converted from its registry package
   (`fixtures.smollm2`), with a draft distilled from it here (`fixtures.smol_draft`);

@@ -318,7 +318,7 @@ class TorchBackend(HeldTokens):
     def evaluate_tree(
         self, seq: TorchSequence, tokens: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:
-        """A token tree after `seq`'s KV in one forward (DESIGN.md §4.1): `tokens[0]` is the
+        """A token tree after `seq`'s KV in one forward (docs/design.md §3): `tokens[0]` is the
         root (the frontier), `tokens[i + 1]` node i, whose parent is `parents[i]` (-1: the
         root; else an earlier node). Each row sees the committed KV and its own ancestors in
         the block, at position length + its depth (`muser_torch.batched.mixed_inputs`), so

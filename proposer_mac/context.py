@@ -122,7 +122,7 @@ class DriverContext:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "tree_rounds_unsupported",
                 f"the verifier at {member.address} judges trees but captures the rows of chains "
-                f"only (features {list(reply.features)}: a verifier from before session 33); "
+                f"only (features {list(reply.features)}: an older verifier); "
                 f"this session captures layers {list(s.open.capture_layers)} and drafts trees "
                 "(lane.tree_nodes): upgrade the verifier, or set lane.tree_nodes = 0",
             )
@@ -259,9 +259,9 @@ class DriverContext:
 
 def fit_decode(s: ProposerSession, features) -> None:
     """A capturing session's draftless rounds decode one token on a verifier that does not
-    offer `capture-decode` (one from before session 32 refuses more); else lane.decode_len.
+    offer `capture-decode` (an older one refuses more); else lane.decode_len.
     They end at a lookup match (`ProposerSession.lookup`) on a verifier that offers
-    `lookup-stop` (one from before session 37 refuses such a round)."""
+    `lookup-stop` (an older one refuses such a round)."""
     s.lookup_offered = "lookup-stop" in features
     if s.open.capture_layers and "capture-decode" not in features:
         s.width.decode_len_max = 1

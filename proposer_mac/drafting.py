@@ -1,4 +1,4 @@
-"""Drafting one round on the proposer (DESIGN.md §4, draw order step 1), and drafting the
+"""Drafting one round on the proposer (docs/design.md §2, draw order step 1), and drafting the
 round after it before its result is known (latency hiding).
 
 The drafter keeps its backend's KV equal to the transcript through a `KvCursor`; a round
@@ -38,7 +38,7 @@ of the pre-round state); a batched row may differ from the lone one in its last 
 which moves no distribution: the request carries the q rows the drafts were sampled from,
 and the verifier judges against those.
 
-Trees (lane.tree_nodes, DESIGN.md §4.1): `tree_steps` drafts a token tree into a given
+Trees (lane.tree_nodes, docs/design.md §3): `tree_steps` drafts a token tree into a given
 shape (a template, `muser.tree_width`; `muser.tree.draft_tree`: breadth first, one tree
 forward a depth on the session's own sequence of a torch draft, children drawn without
 replacement). Its forwards run inside the job, never as steps (a tree block has a mask of

@@ -1,6 +1,6 @@
 """The round driver: one task per session, drafting, journaling and committing rounds.
 
-Per round (DESIGN.md §5, the proposer's steps):
+Per round (docs/design.md §6, the proposer's steps):
   1. draft (in the single draft thread, `DraftQueue`: rounds of several sessions waiting there
      together are drafted in lockstep, one batched forward per draft step);
   2. PREPARED(session, r, signed request) appended and fsynced;

@@ -1,6 +1,6 @@
 """A proposer-side session: state rebuilt from the journal, requests built, results checked.
 
-`check_result` is the proposer's half of the security story (DESIGN.md §6): a result is
+`check_result` is the proposer's half of the security story (docs/design.md §7): a result is
 accepted only if an enrolled verifier key signed exactly it, and every field agrees with the
 request it answers and with what the proposer can recompute itself — the post-round MT
 state (pre-round state advanced by the draws the decision implies), the transcript digest,
@@ -278,7 +278,7 @@ class ProposerSession:
 
     def _after(self, depth: int, accepted: int, emitted: int) -> Mt19937:
         """The MT state after the round in flight, had it `depth` drafts, `accepted` of them,
-        and emitted `emitted` tokens (the draws DESIGN.md §4 says it consumes)."""
+        and emitted `emitted` tokens (the draws docs/design.md §2 says it consumes)."""
         draws = draws_for_round(depth, accepted, self.params.greedy, emitted)
         return advance(self.state, draws)
 

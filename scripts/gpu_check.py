@@ -19,7 +19,7 @@ bench` does):
    same checkpoint on CPU within the tolerance (largest |Δ log p|), incremental evaluation
    equals one shot, rewind-regenerate gives the same rows, refused rollbacks and
    out-of-vocabulary tokens change nothing.
-2. **greedy exactness** — plain decode (`muser_app.lanes.plain`, the oracle of DESIGN.md §7)
+2. **greedy exactness** — plain decode (`muser_app.lanes.plain`, the oracle of docs/design.md §8)
    of a few natural prompts on the device against the same decode on CPU (float32, the
    project's qualified oracle): every token must be equal. Where float32 GPU kernels make
    one differ, the table says where and how close the two candidates were in each row (the

@@ -229,7 +229,7 @@ def check_lookup_rule(request: RoundRequest) -> None:
 def check_drafts(
     state: SessionState, request: RoundRequest, vocab: int, max_drafts: int = 64
 ) -> None:
-    """Every geometry and value check, then the drafting replay (DESIGN.md §4 step 1; a
+    """Every geometry and value check, then the drafting replay (docs/design.md §2 step 1; a
     tree round's: `check_tree`)."""
     depth = len(request.drafts)
     if len(request.q_rows) != depth:
@@ -267,7 +267,7 @@ def check_tree(
     judges_trees: bool,
     captures_trees: bool = False,
 ) -> None:
-    """A tree round (DESIGN.md §4.1): judged here at all, its topology and rows well formed
+    """A tree round (docs/design.md §3): judged here at all, its topology and rows well formed
     (`muser.tree.validate_request`: cycles, orphans, duplicate siblings, too many nodes, rows
     that do not fit), deep enough for nothing past what the session may still emit, and the
     drafting draws replayed (`muser.tree.replay_tree`). At most `max_nodes`

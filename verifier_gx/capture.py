@@ -1,4 +1,4 @@
-"""Capture rows of every committed position (DESIGN.md §4.2), for a feature-conditioned draft.
+"""Capture rows of every committed position (docs/conditioned.md), for a feature-conditioned draft.
 
 `CaptureTap` is a target backend whose every evaluation also keeps the output rows of the
 capture layers, indexed by position. Whatever the executor evaluates through it — a prompt's

@@ -1,4 +1,4 @@
-"""A batch of rounds on the target, in the round queue's worker thread (DESIGN.md §5 step 3
+"""A batch of rounds on the target, in the round queue's worker thread (docs/design.md §6 step 3
 and the signed result of step 4): witness rows of the rounds waiting together in one target
 forward over each session's own KV (verifier_gx.kvpool), decode rounds step by step
 (verifier_gx.decode), then per round judge, build the RoundResult, check it against the
@@ -88,7 +88,7 @@ class RoundComputer:
         """Serialises the target between batches."""
 
     def decide(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
-        """Compute, judge and sign a batch of rounds in one worker thread (DESIGN.md §5 step
+        """Compute, judge and sign a batch of rounds in one worker thread (docs/design.md §6 step
         3 and the result of step 4): one hop from the event loop and back per batch. Each
         job's session lock (held by its caller) keeps its session still; the backend lock
         serialises the target. A failure is its own round's: the others go on."""

@@ -142,7 +142,7 @@ def create_server(
     Call from inside the event loop that will run it.
 
     A lane without a matching qualification receipt (lane.receipt) is refused with
-    QualificationError before the target loads and before the port is bound (DESIGN.md §7).
+    QualificationError before the target loads and before the port is bound (docs/design.md §8).
     `unqualified="why"` skips that check, logged as a warning: tests that drive a fake or
     tiny random target pass it; `serve` never does."""
     private, proposers, verifiers = load_keys(config)

@@ -3,7 +3,7 @@
 When drafting does not pay, the proposer sends rounds with no drafts and `decode_len` = k:
 the target samples k tokens itself, each from its own row with one draw of the session's
 MT19937 stream (none when greedy), stopping early after a stop token. That is exactly k
-singleton rounds (DESIGN.md §4, D = 0) back to back — the same target rows, the same draws, the same tokens — so
+singleton rounds (docs/design.md §2, D = 0) back to back — the same target rows, the same draws, the same tokens — so
 the wire, the WAL commit and the signatures are paid once per k tokens instead of once per
 token, and the local lane (which runs the same function) emits the same text.
 
@@ -115,7 +115,7 @@ def decode_round(
     lookup: Sequence[int] = (),
 ) -> Decoded:
     """Sample up to `decode_len` tokens after `transcript` (which ends with the frontier): each
-    step is a singleton round (DESIGN.md §4) judged by `judge_round`, its KV settled; with a
+    step is a singleton round (docs/design.md §2) judged by `judge_round`, its KV settled; with a
     `lookup` rule (min_n, max_n), ending after the first token prompt lookup extends."""
     work = [(executor, transcript, state, decode_len, params, None, lookup)]
     (out,) = decode_batch(executor.cursor.backend, work)

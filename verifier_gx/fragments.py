@@ -1,4 +1,4 @@
-"""Fragments staged on the verifier: content-addressed bytes a round may name (DESIGN.md §6).
+"""Fragments staged on the verifier: content-addressed bytes a round may name (docs/design.md §7).
 
 Held in memory and hash-checked on the way in. A fragment is staged under an owner
 (session, round): the round it arrived for, or the round whose capture rows it carries.

@@ -1,4 +1,4 @@
-"""The verifier's round transaction (DESIGN.md §5, the steps drawn in verifier_gx.sessions):
+"""The verifier's round transaction (docs/design.md §6, the steps drawn in verifier_gx.sessions):
 admission checks under the session's lock, the round queue and its worker thread (compute,
 judge, sign, then one group-committed write and fsync of the batch's ROUND records), the
 fenced head CAS and the stored result a retry gets back byte for byte; and the lookahead
@@ -106,7 +106,7 @@ class Rounds:
         """The most nodes one tree round may carry (lane.tree_nodes; 0: chains only)."""
         self.judges_trees = bool(max_tree_nodes) and hasattr(backend, "evaluate_tree")
         self.judges_trees &= kv.per_session or trees_on_held(backend)
-        """Whether tree rounds are judged here (DESIGN.md §4.1): the lane drafts trees and the
+        """Whether tree rounds are judged here (docs/design.md §3): the lane drafts trees and the
         target evaluates one on a session's own KV (torch) or on the one sequence it holds,
         a request per branch (vLLM: `trees_on_held`); another shared KV (fakes) takes chains
         only."""
@@ -132,7 +132,7 @@ class Rounds:
         self._looked_ahead.pop(session_id, None)
 
     async def run_round(self, signed: Signed, on_decided: OnDecided | None = None) -> RoundOutcome:
-        """Admit, compute, commit and sign one round (DESIGN.md §5). `on_decided` hears the
+        """Admit, compute, commit and sign one round (docs/design.md §6). `on_decided` hears the
         decision from the worker thread as soon as it is made, before the commit."""
         return await shielded(self._round(signed, on_decided))
 
@@ -261,7 +261,7 @@ class Rounds:
         return RoundOutcome(signed, result, captures, timings, False)
 
     def _decide_and_commit(self, jobs: list[RoundJob]) -> list[tuple | BaseException]:
-        """A batch in the worker thread (DESIGN.md §5 steps 3 and 4): compute, judge and sign
+        """A batch in the worker thread (docs/design.md §6 steps 3 and 4): compute, judge and sign
         every round, then make the ROUND records of those that were decided durable in one
         write and one fsync. A commit-log failure is every decided round's failure."""
         decided = self.computer.decide(jobs)

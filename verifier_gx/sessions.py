@@ -1,7 +1,7 @@
 """Verifier sessions: recovery from the commit log, open/resume, fencing, idle expiry and
 fragment intake; the durable round transaction over them is `verifier_gx.rounds`.
 
-One round request, in the order of DESIGN.md §5 (every refusal writes nothing and leaves the
+One round request, in the order of docs/design.md §6 (every refusal writes nothing and leaves the
 session unchanged):
 
   1. checks: known session, enrolled key, request signature, epoch, already committed round
@@ -570,7 +570,7 @@ class SessionManager:
     # ---- the round transaction (verifier_gx.rounds) ---------------------------------------
 
     async def run_round(self, signed: Signed, on_decided: OnDecided | None = None) -> RoundOutcome:
-        """Admit, compute, commit and sign one round (DESIGN.md §5; `Rounds.run_round`)."""
+        """Admit, compute, commit and sign one round (docs/design.md §6; `Rounds.run_round`)."""
         return await self.rounds.run_round(signed, on_decided)
 
     async def look_ahead(

@@ -1,4 +1,4 @@
-"""Durable storage for both daemons (DESIGN.md §5-§6).
+"""Durable storage for both daemons (docs/design.md §6-§7).
 
 - the commit log: `FileLog` (format spec and fsync rules drawn in wal/log.py) and
   `MemoryLog`, both a `CommitLog`; group-committed `append` / `append_async`, recovery that

@@ -1,4 +1,4 @@
-"""The fragment store: payload bytes named by their SHA-256 (DESIGN.md §6).
+"""The fragment store: payload bytes named by their SHA-256 (docs/design.md §7).
 
     put(bytes) -> digest     idempotent: a digest already held costs no second write
     get(digest) -> bytes     re-hashes; a mismatch is FragmentCorruptError and the bad copy

@@ -1,4 +1,4 @@
-"""The lanes and peers `muser bench --suite lanes` runs on one pair (DESIGN.md §9): our plain
+"""The lanes and peers `muser bench --suite lanes` runs on one pair (docs/design.md §10): our plain
 and local lanes in this process, and the speculative peers on the same pair and draft —
 transformers assisted generation, mlx-lm speculative, vLLM's speculative decoding (in its own
 environment, `muser_app.bench.vllm_peer`). A peer that cannot run is a note, never silent.

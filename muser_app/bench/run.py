@@ -1,4 +1,4 @@
-"""The benchmark harness (DESIGN.md §9): lanes and peers on the same pair and prompts.
+"""The benchmark harness (docs/design.md §10): lanes and peers on the same pair and prompts.
 
 Discipline: every lane runs on every prompt in one process, lanes interleaved within each
 repeat (so drift hits all of them alike), the median and spread over repeats reported, and
@@ -252,7 +252,7 @@ def _ahead(samples: list[Sample]) -> dict:
     guess, not on the decision; a draft made on a decision may go unused, when the width
     policy then picks another D)."""
     total = {k: sum(s.ahead.get(k, 0) for s in samples) for k in samples[0].ahead}
-    held = total.get("guess_hits")  # (absent from receipts before session 34)
+    held = total.get("guess_hits")  # (absent from older receipts)
     rate = held / total["rounds"] if held is not None and total["rounds"] else None
     return total | {"guess_hit_rate": rate}
 

@@ -1,6 +1,6 @@
 """`muser qualify --config FILE`: run the lane against the non-speculative oracle on the same
 target and, when it reproduces it, write the verifier-signed receipt the daemons demand
-(DESIGN.md §7; the receipt format is in cluster_config.qualification).
+(docs/design.md §8; the receipt format is in cluster_config.qualification).
 
 For each prompt, plain target decode (muser_app.lanes.plain) and the local lane
 (muser_app.lanes.local: the cluster lane's round math and RNG protocol, in process, on the

@@ -1,5 +1,5 @@
 """The local lane: draft and target in one process, the exact round and RNG protocol of
-DESIGN.md §4 (the cluster lane runs the same rounds across the wire and must emit the same
+docs/design.md §2 (the cluster lane runs the same rounds across the wire and must emit the same
 tokens for the same seed).
 
 A draft that batches (torch, `muser.backend.batches`) drafts on a sequence of its own, the

@@ -1,4 +1,4 @@
-"""The plain lane: the target decoding alone — the non-speculative oracle (DESIGN.md §7).
+"""The plain lane: the target decoding alone — the non-speculative oracle (docs/design.md §8).
 
 One MT19937 draw per emitted token at T > 0 (sample_ordered over the full target row); none
 when greedy. Greedy output is what every speculative lane must reproduce token for token.

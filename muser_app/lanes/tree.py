@@ -1,5 +1,4 @@
-"""The local tree lane: draft and target in one process, each round a token tree (DESIGN.md
-§4.1, `muser.tree`) judged after one target forward.
+"""The local tree lane: draft and target in one process, each round a token tree (docs/design.md §3, `muser.tree`) judged after one target forward.
 
 Per round, after the frontier f:
   1. the draft drafts the tree breadth first, one forward a depth over the tree so far

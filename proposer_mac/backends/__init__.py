@@ -1,4 +1,4 @@
-"""Draft backends (DESIGN.md §8): `mlx` (Metal on a Mac, CPU elsewhere), `torch`, the
+"""Draft backends (docs/design.md §9): `mlx` (Metal on a Mac, CPU elsewhere), `torch`, the
 feature-conditioned `conditioned` (reads the target's capture rows), and the model-free
 `ngram` (prompt lookup; its path is the target's checkpoint).
 

@@ -1,4 +1,4 @@
-"""The feature-conditioned draft as a `ModelBackend` (DESIGN.md §4.2; docs/conditioned.md).
+"""The feature-conditioned draft as a `ModelBackend` (docs/conditioned.md; docs/conditioned.md).
 
 The draft reads, for the token at position p, the target's capture rows after position p-1
 (`install_features` hands them over as the target computes them) or, where the target has

@@ -1,4 +1,4 @@
-"""What a feature-conditioned draft checkpoint declares about itself (DESIGN.md §4.2, §8).
+"""What a feature-conditioned draft checkpoint declares about itself (docs/conditioned.md, docs/design.md §9).
 
 The checkpoint is a directory like any other (config.json, model.safetensors, the target's
 tokenizer files), whose config.json carries, under `muser_conditioned`, everything the

@@ -1,4 +1,4 @@
-"""A model-free n-gram draft: prompt lookup (DESIGN.md §8), as vLLM's `ngram` proposer,
+"""A model-free n-gram draft: prompt lookup (docs/design.md §9), as vLLM's `ngram` proposer,
 llama.cpp's lookup decoding and transformers' `prompt_lookup_num_tokens` do it.
 
 After each token the draft looks for an earlier occurrence of the sequence's last n tokens,
@@ -16,13 +16,13 @@ applies (temperature, top-k, top-p) keeps that row one-hot, so at any temperatur
 q = δ(x) for the proposal x. The exact round then accepts x with probability
 min(1, p(x)/q(x)) = p(x) and, on rejection, samples the residual norm(max(p − δ(x), 0)),
 which is p with x removed and renormalised: the emitted token is distributed as p, the
-same argument as for any q (DESIGN.md §4). At temperature 0 the verifier accepts x iff it is
+same argument as for any q (docs/design.md §2). At temperature 0 the verifier accepts x iff it is
 the target's argmax.
 
 No match means no proposal: the row is -inf everywhere, and the drafter ends the round's
 draft there (a round may draft fewer than D tokens, or none: then the verifier decodes).
 
-Trees (DESIGN.md §4.1). A token tree's q row at a position is `candidates`: the tokens that
+Trees (docs/design.md §3). A token tree's q row at a position is `candidates`: the tokens that
 followed every earlier occurrence of the position's suffix, the longest matching n first and
 the most recent first, each occurrence weighing half the one before it (an occurrence found
 for several n counts once, at its longest). So the heaviest token is always the chain's

@@ -1,4 +1,4 @@
-"""Draft backend on PyTorch: the torch model runner the target uses too (DESIGN.md §8).
+"""Draft backend on PyTorch: the torch model runner the target uses too (docs/design.md §9).
 
 Both sides share one implementation (`muser_torch`) so the torch draft and the torch target
 cannot drift; this module exists so the proposer names its backends in one place.

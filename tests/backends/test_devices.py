@@ -1,4 +1,4 @@
-"""Where each backend computes (DESIGN.md §8): the device is explicit in the config, chosen
+"""Where each backend computes (docs/design.md §9): the device is explicit in the config, chosen
 once at load ("auto" takes Metal when MLX has it), refused by name when this machine lacks
 it, recorded on the backend and reported by the daemons' Status (`muser status`).
 

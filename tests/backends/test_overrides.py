@@ -1,4 +1,4 @@
-"""Every override is watched taking effect (DESIGN.md §8)."""
+"""Every override is watched taking effect (docs/design.md §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A token tree in one target forward (`TorchBackend.evaluate_tree`, DESIGN.md §4.1): every
+"""A token tree in one target forward (`TorchBackend.evaluate_tree`, docs/design.md §3): every
 node's row is the row a linear forward of its path gives (within the batched path's 1e-4 in
 log-probability), on the lean forward and on transformers' own; `keep_path` keeps the
 accepted path's KV so the sequence goes on as if it had evaluated that path alone; and a

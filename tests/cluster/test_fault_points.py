@@ -2,7 +2,7 @@
 
 A sweep arms one daemon at a time with MUSER_TEST_CRASH_AT: it SIGKILLs itself at that
 point of a round (the N-th time it gets there), is restarted at once armed at the next
-point, and so on through every point of its side of DESIGN.md §5, once with sampling and
+point, and so on through every point of its side of docs/design.md §6, once with sampling and
 once greedy, while generations of one request run through the cluster. Every generation
 ends with the text of the uncrashed run (the client refuses a gap or a repeat), every kill
 is the armed point's (its log line says so), and both WALs verify afterwards, with no

@@ -1,4 +1,4 @@
-"""Tree rounds (muser.tree, DESIGN.md §4.1): drafting without replacement, recursive
+"""Tree rounds (muser.tree, docs/design.md §3): drafting without replacement, recursive
 rejection sampling, the float64 reference held bit-equal, a chain judged exactly as the
 linear round, greedy trees on the target's greedy path, the target's exact joint
 distribution at T = 1, and every malformed tree refused before a draw."""

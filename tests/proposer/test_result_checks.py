@@ -192,7 +192,7 @@ def test_a_move_signs_the_request_in_flight_again_at_the_new_epoch_only(setup):
 
 
 def honest_tree_round(session: ProposerSession, proposer_key, verifier_key, branching=(2, 2)):
-    """One tree round (DESIGN.md §4.1) as an honest verifier answers it: the fake draft's
+    """One tree round (docs/design.md §3) as an honest verifier answers it: the fake draft's
     rows and the fake target's at every position of the tree, judged by `judge_tree`."""
     params, transcript = session.params, list(session.transcript)
 

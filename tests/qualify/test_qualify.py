@@ -1,4 +1,4 @@
-"""`muser qualify` and the refusals it backs (DESIGN.md §7): the receipt verifies; the
+"""`muser qualify` and the refusals it backs (docs/design.md §8): the receipt verifies; the
 verifier daemon and `muser config check` refuse a lane without a matching one; a lane that
 does not reproduce the oracle, or accepts too little, is not qualified.
 

@@ -30,7 +30,7 @@ from verifier_gx.kvpool import KvPool
 
 C = grpc.StatusCode
 TOLERANCE = 1e-4
-"""The qualification tolerance on log-probabilities (DESIGN.md §7)."""
+"""The qualification tolerance on log-probabilities (docs/design.md §8)."""
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=30, seed=5)
 

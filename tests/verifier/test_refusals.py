@@ -1,5 +1,5 @@
 """Every bad round input is refused with its status code, reason and a message; nothing is
-written to the WAL and the session state is unchanged (DESIGN.md §5, §6)."""
+written to the WAL and the session state is unchanged (docs/design.md §6, §7)."""
 
 from __future__ import annotations
 

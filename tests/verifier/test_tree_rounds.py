@@ -1,4 +1,4 @@
-"""Tree rounds on the wire (DESIGN.md §4.1): a verifier on a tiny torch target judges token
+"""Tree rounds on the wire (docs/design.md §3): a verifier on a tiny torch target judges token
 trees a client drafts with the proposer's `Drafter.tree_steps`. Greedy tree sessions equal
 plain decode; sampled ones repeat for a seed and their log replays; a retry is the stored
 bytes; every malformed tree is refused with its status and nothing written; a verifier

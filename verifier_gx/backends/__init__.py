@@ -1,4 +1,4 @@
-"""Target backends (DESIGN.md §8): `torch` (default) and `vllm`.
+"""Target backends (docs/design.md §9): `torch` (default) and `vllm`.
 
 Backends are imported lazily, so a verifier without one backend's libraries still loads
 the others (vLLM lives in its own environment, `make vllm-env`).

@@ -297,7 +297,7 @@ class VllmBackend(HeldTokens):
     def _tree_rows(
         self, seq: VllmBackend, tokens: Sequence[int], parents: Sequence[int], layers: list[int]
     ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """A token tree after the held tokens (DESIGN.md §4.1; `TorchBackend.evaluate_tree`'s
+        """A token tree after the held tokens (docs/design.md §3; `TorchBackend.evaluate_tree`'s
         contract, `seq` this backend): `tokens[0]` is the root (the frontier), `tokens[i + 1]`
         node i, whose parent is `parents[i]`. vLLM takes requests, not masks, so each
         root-to-leaf path is one request over the held tokens plus the path, all in one
