@@ -238,7 +238,11 @@ def capture_layers_exist(config: ClusterConfig, scope: Scope) -> None:
 def draft_dtype_supported(config: ClusterConfig, scope: Scope) -> None:
     p = config.proposer
     if p.backend != "torch" and p.dtype != "float32":
-        runs = "runs float32" if p.backend == "mlx" else "has no weights"
+        runs = {
+            "mlx": "runs in the dtype its checkpoint stores",
+            "conditioned": "runs float32",
+            "ngram": "has no weights",
+        }[p.backend]
         raise ConfigError(
             f"proposer.dtype {p.dtype!r} needs proposer.backend 'torch'; the {p.backend} draft "
             f'{runs}: set dtype = "float32" or backend = "torch"'

@@ -180,7 +180,9 @@ class ProposerNode(_Strict):
         "target's checkpoint, for its tokenizer).",
     )
     dtype: Dtype = Field(
-        "float32", description="Draft weights dtype (torch backend; mlx runs float32)."
+        "float32",
+        description="Draft weights dtype (torch backend; the mlx draft runs in the dtype its "
+        "checkpoint stores, and this stays float32).",
     )
     device: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="mlx device: auto picks Metal when available, else CPU."

@@ -120,7 +120,7 @@ def test_capture_layers_negative_or_repeated_refused(cluster_file, layers, capsy
 def test_mlx_draft_in_another_dtype_refused(cluster_file, capsys):
     set_value(cluster_file, "proposer.backend", "mlx")
     set_value(cluster_file, "proposer.dtype", "bfloat16")
-    assert "the mlx draft runs float32" in refused(cluster_file, capsys)
+    assert "the mlx draft runs in the dtype its checkpoint stores" in refused(cluster_file, capsys)
 
 
 @pytest.mark.asyncio
