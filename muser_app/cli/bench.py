@@ -129,8 +129,8 @@ def register(sub, name: str, help_text: str) -> None:
         type=float,
         default=None,
         metavar="X",
-        help="the row tolerance each cluster's qualification allows (as `muser qualify "
-        "--tolerance`; default its own, 1e-4)",
+        help="the row tolerance each cluster's qualification allows (as --tolerance of "
+        "`muser qualify`; default its own, 1e-4)",
     )
     p.add_argument(
         "--variants-only",
