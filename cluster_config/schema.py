@@ -547,6 +547,20 @@ class Http(_Strict):
         "or logged.",
     )
 
+    served_model_name: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="Names the proposer's OpenAI-compatible API serves the target under, as "
+        "`vllm serve --served-model-name`: /v1/models lists each, a request may name any, and "
+        "responses carry the first. Empty (the default): the target checkpoint's folder name.",
+    )
+    max_n: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="The most choices one API request may ask for (its prompts times n); each "
+        "choice is a session of its own.",
+    )
+
     _keys = field_validator("api_keys", mode="before")(_check_api_keys)
 
     def secrets(self) -> list[str]:
@@ -560,7 +574,11 @@ class ClusterConfig(_Strict):
     enrolment: Enrolment = Field(description="Public keys each side accepts signatures from.")
     limits: Limits = Field(default_factory=Limits, description="Resource limits.")
     tls: Tls | None = Field(None, description="Mutual TLS on every channel (default: none).")
-    http: Http = Field(default_factory=Http, description="API keys of the HTTP endpoints.")
+    http: Http = Field(
+        default_factory=Http,
+        description="The HTTP endpoints: their API keys, and the OpenAI-compatible API's "
+        "served names and bounds.",
+    )
     pool: list[PoolVerifier] = Field(
         default_factory=list,
         description="Other verifiers the proposer moves a session to when its verifier is "

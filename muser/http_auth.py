@@ -34,14 +34,17 @@ def refusal(header: str | None, keys: Sequence[bytes]) -> str | None:
     return None
 
 
-def bearer_auth(keys: Sequence[str]):
-    """aiohttp middleware refusing requests without one of `keys` (none: lets all through)."""
+def bearer_auth(keys: Sequence[str], open_paths: frozenset[str] = frozenset()):
+    """aiohttp middleware refusing requests without one of `keys` (none: lets all through);
+    `open_paths` (a health check) answer anyone."""
     from aiohttp import web
 
     encoded = [k.encode() for k in keys]
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in open_paths and request.method in ("GET", "HEAD"):
+            return await handler(request)
         why = refusal(request.headers.get("Authorization"), encoded)
         if why is not None:
             error = {"message": why, "type": "authentication_error", "param": None, "code": None}

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API of the proposer daemon, served by aiohttp on the daemon's
 asyncio loop next to its grpc.aio server.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
-server-sent events or not). A request becomes one session through
-`ProposerCore.start_session`, exactly like a gRPC Generate, and its text is made only of
-durable tokens (COMMITTED fsynced). `seed` is the session's MT19937 seed, the same mapping
-as `muser generate --seed`, so a seeded request reproduces the local lane token for token.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent events
+or not), and what `proposer_mac.http_model` serves (`/v1/models`, `/tokenize`, `/detokenize`,
+`/version`, `/health`). Each choice of a request (its prompts times `n`) is one session,
+started through `ProposerCore.start_session` exactly like a gRPC Generate, and its text is
+made only of durable tokens (COMMITTED fsynced). `seed` is the session's MT19937 seed, the
+same mapping as `muser generate --seed` (choice j takes seed + j), so a seeded request
+reproduces the local lane token for token.
 
 Text is decoded from the whole token list on every update, so a delta never splits a UTF-8
 character or a BPE merge and the streamed deltas concatenate to the non-streaming text.
@@ -18,14 +20,12 @@ that disconnects cancels its handler and so its session. Other routes (the daemo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,26 +34,28 @@ from aiohttp import web
 from cluster_config import ClusterConfig
 from muser.errors import MuserError, RefusedError
 from muser.http_auth import bearer_auth
-from proposer_mac.link import LinkDown, RoundRefused
+from muser.sampling import SamplingParams
+from proposer_mac import http_model
+from proposer_mac.http_body import API, PREPARE, json_body, off_loop
+from proposer_mac.http_reply import Choice, Reply, merged_pieces
+from proposer_mac.link import LinkDown
+from proposer_mac.openai_protocol import ChatCompletionRequest, CompletionRequest
 from proposer_mac.openai_request import (
-    CHAT,
     COMPLETION_MAX_TOKENS,
-    COMPLETIONS,
     Api,
     ApiError,
+    ChatForm,
     chat_messages,
     chat_prompt,
-    check_common,
+    check_choices,
     check_messages_fit,
-    check_separators,
+    check_model,
     encode_text,
-    field,
     max_token_bytes,
     prompt_tokens,
+    request,
     sampling_params,
-    stop_strings,
 )
-from proposer_mac.session import ResultRejected
 from proposer_mac.text_stream import TextStream
 
 log = logging.getLogger("muser.http")
@@ -81,22 +83,6 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, LinkDown):
         status = 503
     return ApiError(str(exc), status=status)
-
-
-def session_error(runner, exc: BaseException) -> ApiError:
-    """A session that started and then failed: never the client's fault. The verifier
-    unreachable 503; a refusal from it or a result that does not check out 502; anything
-    else (a disk, a bug: its traceback logged here) 500. Always a server_error."""
-    sid = runner.session.session_id.hex()[:8]
-    if isinstance(exc, LinkDown):
-        status = 503
-    elif isinstance(exc, RoundRefused | ResultRejected):
-        status = 502
-    else:
-        status = 500
-    if not isinstance(exc, MuserError):
-        log.error("session %s failed", sid, exc_info=exc)
-    return ApiError(f"session {sid} failed: {type(exc).__name__}: {exc}", status=status)
 
 
 _STREAMING: Any = (
@@ -131,176 +117,22 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     return web.json_response(error.body(), status=error.status)
 
 
-# --- the served model -----------------------------------------------------------------------
-
-
-def served_model_id(target: Path) -> str:
-    """The id clients name: the target checkpoint's folder (org/name for a hub snapshot)."""
-    path = Path(target).resolve()
-    repo = path.parent.parent.name
-    if path.parent.name == "snapshots" and repo.startswith("models--"):
-        return repo[len("models--") :].replace("--", "/")
-    return path.name
-
-
-API = web.AppKey("muser_api", Api)
-
-
-# --- request bodies -----------------------------------------------------------------------
-
-
-def _too_large(request: web.Request, size: int | None) -> ApiError:
-    limit = request.client_max_size
-    got = f"{size} bytes" if size is not None else f"over {limit} bytes"
-    return ApiError(
-        f"the request body is {got}; this server reads at most "
-        f"limits.max_message_bytes = {limit} bytes",
-        status=413,
-        code="request_too_large",
-    )
-
-
-PREPARE = web.AppKey("muser_prepare", ThreadPoolExecutor)
-"""One worker thread for a request's heavy work before its session (parsing the body,
-rendering the chat template, tokenizing): never on the event loop, which streams every
-other client's tokens, and one request at a time, so several huge requests queue there
-instead of sharing the interpreter with the loop."""
-
-
-async def _off_loop(request: web.Request, fn, *args):
-    """`fn(*args)` in the app's preparing thread."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(request.app[PREPARE], fn, *args)
-
-
-async def _json_body(request: web.Request) -> dict:
-    size = request.content_length
-    if size is not None and size > request.client_max_size:
-        raise _too_large(request, size)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:  # no Content-Length (chunked): counted as read
-        raise _too_large(request, None) from None
-    return await _off_loop(request, parse_body, raw, request.app[API])
-
-
-def parse_body(raw: bytes, api: Api | None = None) -> dict:
-    """A request body as a JSON object, or the 4xx that says what it is instead (with `api`,
-    a body too big in its count of values for any request to this model, before parsing)."""
-    if api is not None:
-        check_separators(raw, api)
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise ApiError(
-            f"the request body is not valid JSON ({exc}); expected a JSON object"
-        ) from None
-    except RecursionError:
-        raise ApiError(
-            "the request body nests arrays or objects too deeply to parse; expected a JSON "
-            "object of OpenAI request fields"
-        ) from None
-    if not isinstance(body, dict):
-        kind = "null" if body is None else type(body).__name__
-        raise ApiError(f"the request body is a JSON {kind}; expected an object")
-    return body
-
-
-# --- durable tokens -> text -----------------------------------------------------------------
-
-
-def finish_reason(session) -> str:
-    """An end-of-sequence token (or a stop string, found by the caller) ends with "stop";
-    running out of max_tokens with "length"."""
-    emitted, params = session.emitted, session.params
-    if emitted and emitted[-1] in params.stop_tokens:
-        return "stop"
-    return "length" if len(emitted) >= params.max_tokens else "stop"
-
-
-async def text_pieces(runner, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
-    """(delta, finish_reason) from the runner's durable tokens; the last carries the reason.
-    A failure of the session (whatever the runner raises) comes out as `session_error`'s
-    ApiError."""
-    offset = 0
-    while True:
-        try:
-            tokens, done = await runner.wait_tokens(offset)
-            offset += len(tokens)
-            delta = text.feed(tokens, final=done)
-        except Exception as exc:
-            raise session_error(runner, exc) from exc
-        if text.stopped:
-            yield delta, "stop"
-            return
-        if done:
-            yield delta, finish_reason(runner.session)
-            return
-        if delta:
-            yield delta, None
-
-
 # --- responses ------------------------------------------------------------------------------
 
 
-@dataclass
-class Reply:
-    """One request's session and the shape its responses take."""
-
-    api: Api
-    chat: bool
-    runner: Any  # SessionRunner
-    text: TextStream
-
-    def envelope(self, chunk: bool) -> dict:
-        sid = self.runner.session.session_id.hex()
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else None
-        return {
-            "id": f"chatcmpl-{sid}" if self.chat else f"cmpl-{sid}",
-            "object": kind or "text_completion",
-            "created": int(self.api.clock()),
-            "model": self.api.model_id,
-            "system_fingerprint": f"muser-{self.api.core.target_identity.model_digest[:16]}",
-        }
-
-    def choice(self, content: str, reason: str | None, chunk: bool) -> dict:
-        out: dict[str, Any] = {"index": 0}
-        if not self.chat:
-            out["text"] = content
-        elif chunk:
-            out["delta"] = {"content": content} if content else {}
-        else:
-            out["message"] = {"role": "assistant", "content": content}
-        return {**out, "logprobs": None, "finish_reason": reason}
-
-    def usage(self) -> dict:
-        prompt, completion = len(self.runner.session.prompt), len(self.text.tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def muser(self) -> dict:
-        """Our extension: the session and its acceptance statistics (muser.stats)."""
-        s = self.runner.stats
-        return {
-            "session": self.runner.session.session_id.hex(),
-            "seed": self.runner.session.params.seed,
-            "rounds": s.rounds,
-            "drafted": s.drafted,
-            "accepted": s.accepted,
-            "acceptance": round(s.acceptance, 6),
-            "tokens_per_round": round(s.tokens_per_round, 6),
-        }
-
-
 async def _collect(reply: Reply) -> web.Response:
-    pieces = [piece async for piece in text_pieces(reply.runner, reply.text)]
-    content, reason = "".join(delta for delta, _ in pieces), pieces[-1][1]
+    texts = {c.index: [c.echo] for c in reply.choices}
+    reasons: dict[int, str | None] = {}
+    async for c, delta, reason in merged_pieces(reply.choices):
+        texts[c.index].append(delta)
+        if reason is not None:
+            reasons[c.index] = reason
     body = {
         **reply.envelope(chunk=False),
-        "choices": [reply.choice(content, reason, chunk=False)],
+        "choices": [
+            reply.choice(c, "".join(texts[c.index]), reasons[c.index], chunk=False)
+            for c in reply.choices
+        ],
         "usage": reply.usage(),
         "muser": reply.muser(),
     }
@@ -323,8 +155,8 @@ async def _end_stream(resp: web.StreamResponse, error: ApiError) -> None:
 
 
 async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> web.StreamResponse:
-    """Server-sent events: one chunk per durable delta, the reason last, then [DONE]; a
-    failure of the session travels as an error event before [DONE]."""
+    """Server-sent events: one chunk per durable delta of each choice, its reason last, then
+    [DONE]; a failure of a session travels as an error event before [DONE]."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -332,15 +164,20 @@ async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> we
     request[_STREAMING] = resp
     head = reply.envelope(chunk=True)
     try:
-        if reply.chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            await _send(
-                resp, {**head, "choices": [{**first, "logprobs": None, "finish_reason": None}]}
-            )
+        for c in reply.choices:
+            if reply.chat:
+                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                await _send(
+                    resp, {**head, "choices": [{**first, "logprobs": None, "finish_reason": None}]}
+                )
+            elif c.echo:
+                await _send(resp, {**head, "choices": [reply.choice(c, c.echo, None, True)]})
         try:
-            async for delta, reason in text_pieces(reply.runner, reply.text):
-                extra = {"muser": reply.muser()} if reason else {}
-                await _send(resp, {**head, "choices": [reply.choice(delta, reason, True)], **extra})
+            async for c, delta, reason in merged_pieces(reply.choices):
+                extra = {"muser": c.muser()} if reason else {}
+                await _send(
+                    resp, {**head, "choices": [reply.choice(c, delta, reason, True)], **extra}
+                )
             if include_usage:
                 usage = {"usage": reply.usage(), "muser": reply.muser()}
                 await _send(resp, {**head, "choices": [], **usage})
@@ -350,77 +187,97 @@ async def _stream(request: web.Request, reply: Reply, include_usage: bool) -> we
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:
-        log.info("client left session %s mid-stream", reply.runner.session.session_id.hex()[:8])
+        sid = reply.choices[0].runner.session.session_id.hex()[:8]
+        log.info("client left session %s mid-stream", sid)
     return resp
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request body checked and turned into what its session needs."""
+    """A request body checked and turned into what its sessions need: a (prompt, params,
+    echo) per choice, in choice order."""
 
-    prompt: list[int]
-    params: Any  # SamplingParams
+    choices: list[tuple[list[int], SamplingParams, str]]
+    prompt_tokens: int
+    user_stops: frozenset[int]
     stops: tuple[str, ...]
+    include_stop: bool
+    skip_special: bool
     stream: bool
     include_usage: bool
 
 
 def prepare(body: dict, api: Api, chat: bool) -> Prepared:
-    """Every check of a parsed body and its prompt's tokens (blocking: rendering a chat
+    """Every check of a parsed body and its prompts' tokens (blocking: rendering a chat
     template and tokenizing take milliseconds to seconds; the handlers run it in the app's
     preparing thread). Raises ApiError (4xx) naming the field."""
-    check_common(body, api, CHAT if chat else COMPLETIONS)
-    prompt = chat_tokens(body, api) if chat else prompt_tokens(body, api)
-    default_max = None if chat else COMPLETION_MAX_TOKENS
-    params = sampling_params(body, api, len(prompt), default_max)
-    stops = stop_strings(body)
-    stream = field(body, "stream", bool, False, "a boolean")
-    options = field(body, "stream_options", dict, {}, "an object")
-    include_usage = field(options, "include_usage", bool, False, "a boolean")
-    return Prepared(prompt, params, stops, stream, include_usage)
+    req = request(ChatCompletionRequest if chat else CompletionRequest, body)
+    check_model(api, req.model)
+    if chat:
+        prompts, max_new, default_max = [(chat_tokens(req, api), "")], req.max_new, None
+    else:
+        items = req.prompts()
+        check_choices(api, len(items), req.n)  # before tokenizing them all
+        prompts = []
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            ids = prompt_tokens(api, item, param, req.add_special_tokens)
+            echo = (
+                "" if not req.echo else item if isinstance(item, str) else api.tokenizer.decode(ids)
+            )
+            prompts.append((ids, echo))
+        max_new, default_max = req.max_tokens, COMPLETION_MAX_TOKENS
+    check_choices(api, len(prompts), req.n)
+    choices = [
+        (ids, params, echo)
+        for ids, echo in prompts
+        for params in sampling_params(req, api, len(ids), max_new, default_max)
+    ]
+    return Prepared(
+        choices,
+        sum(len(ids) for ids, _ in prompts),
+        frozenset(req.stop_token_ids),
+        req.stops,
+        req.include_stop_str_in_output,
+        req.skip_special_tokens,
+        req.stream,
+        req.include_usage,
+    )
 
 
-def chat_tokens(body: dict, api: Api) -> list[int]:
+def chat_tokens(req: ChatCompletionRequest, api: Api) -> list[int]:
     """The chat request's prompt: messages checked and measured, rendered, tokenized."""
-    messages = chat_messages(body)
+    messages = chat_messages(req.messages)
     check_messages_fit(api, messages)
-    return encode_text(api, chat_prompt(api.tokenizer, messages), "messages")
+    text = chat_prompt(api.tokenizer, messages, ChatForm.of(req))
+    return encode_text(api, text, "messages", special=req.add_special_tokens)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     api = request.app[API]
-    body = await _json_body(request)
-    job = await _off_loop(request, prepare, body, api, chat)
-    runner = await api.core.start_session(job.prompt, job.params, detached=True)
-    reply = Reply(api, chat, runner, TextStream(api.tokenizer, job.stops))
+    body = await json_body(request)
+    job = await off_loop(request, prepare, body, api, chat)
+    choices: list[Choice] = []
     try:
+        for index, (prompt, params, echo) in enumerate(job.choices):
+            runner = await api.core.start_session(prompt, params, detached=True)
+            text = TextStream(
+                api.tokenizer,
+                job.stops,
+                include_stop=job.include_stop,
+                skip_special=job.skip_special,
+            )
+            choices.append(Choice(index, runner, text, echo))
+        reply = Reply(api, chat, choices, job.prompt_tokens, job.user_stops)
         if job.stream:
             return await _stream(request, reply, job.include_usage)
         return await _collect(reply)
     finally:  # a stop string, a finished reply or a client gone: nobody reads the rest
-        runner.cancel()
+        for c in choices:
+            c.runner.cancel()
 
 
 # --- handlers and the app -------------------------------------------------------------------
-
-
-async def _models(request: web.Request) -> web.Response:
-    api = request.app[API]
-    core = api.core
-    card = {
-        "id": api.model_id,
-        "object": "model",
-        "created": api.created,
-        "owned_by": "muser",
-        "max_model_len": api.context_length,
-        "muser": {
-            "target_digest": core.target_identity.model_digest,
-            "tokenizer_digest": core.target_identity.tokenizer_digest,
-            "draft_digest": core.draft_identity.model_digest,
-            "vocab_size": core.target_identity.vocab_size,
-        },
-    }
-    return web.json_response({"object": "list", "data": [card]})
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -442,20 +299,28 @@ def create_app(
     clock: Callable[[], float] = time.time,
 ) -> web.Application:
     """The OpenAI-compatible app over `core` (ProposerCore); `extra_routes` (e.g. /metrics)
-    are served by the same app."""
+    are served by the same app. The served names are http.served_model_name, else `model_id`,
+    else the target checkpoint's folder."""
+    keys = config.http.secrets()
     app = web.Application(
-        middlewares=[bearer_auth(config.http.secrets()), _errors],  # the key before any work
+        # the key before any work; /health and /version answer without one
+        middlewares=[bearer_auth(keys, open_paths=http_model.OPEN_PATHS), _errors],
         client_max_size=config.limits.max_message_bytes,
+    )
+    names = tuple(config.http.served_model_name) or (
+        model_id or http_model.served_model_id(config.verifier.target),
     )
     app[API] = Api(
         core,
         tokenizer,
-        model_id or served_model_id(config.verifier.target),
+        names[0],
         config.limits.max_tokens,
         context_length,
         clock,
         int(clock()),
         max_token_bytes(tokenizer),
+        served_names=names,
+        max_n=config.http.max_n,
     )
     pool = ThreadPoolExecutor(1, thread_name_prefix="http-prepare")
     app[PREPARE] = pool
@@ -466,9 +331,9 @@ def create_app(
     app.on_cleanup.append(_shutdown)
     app.add_routes(
         [
-            web.get("/v1/models", _models),
             web.post("/v1/completions", _completions),
             web.post("/v1/chat/completions", _chat_completions),
+            *http_model.ROUTES,
             *extra_routes,
         ]
     )

@@ -1,87 +1,23 @@
 """OpenAI request bodies to sessions: the checks and conversions behind the proposer's
-OpenAI-compatible API (proposer_mac.http_api), free of HTTP. A body becomes sampling params
-(`seed` is the session's MT19937 seed, as `muser generate --seed`) and prompt tokens (text,
-token ids, or chat messages through the checkpoint's chat template); anything this server
-does not implement is refused with the parameter named, never ignored."""
+OpenAI-compatible API (proposer_mac.http_api), free of HTTP. The body's fields are the schema
+models' (`proposer_mac.openai_protocol`); here a parsed request becomes sampling params (`seed`
+is the session's MT19937 seed, as `muser generate --seed`) and prompt tokens (text, token ids,
+or chat messages through the checkpoint's chat template), with the checks that need the model:
+its served names, its vocabulary, its context window."""
 
 from __future__ import annotations
 
 import json
-import math
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from muser.sampling import SamplingParams
+from proposer_mac.openai_protocol import SEED_LIMIT, RequestError, parse
 
-SEED_LIMIT = 2**32
-"""Seeds are MT19937 init_genrand seeds: [0, 2**32)."""
 COMPLETION_MAX_TOKENS = 16
 """OpenAI's documented default for /v1/completions; chat fills the context instead."""
-
-HONOURED = frozenset(
-    {
-        "model", "n", "seed", "temperature", "top_p", "top_k", "max_tokens",
-        "max_completion_tokens", "stop", "stream", "stream_options", "ignore_eos",
-    }
-)  # fmt: skip
-"""Fields every endpoint reads (each checked where it is read)."""
-HARMLESS = frozenset({"user", "metadata"})
-"""Fields that never change the output: accepted and not read."""
-STREAM_OPTIONS = frozenset({"include_usage"})
-
-# Fields this server does not implement, accepted only at their neutral values (a value that
-# means "off"); any field not named here or above is refused, never silently ignored.
-_NEUTRAL: dict[str, tuple] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-}
-COMPLETION_NEUTRAL: dict[str, tuple] = {
-    **_NEUTRAL,
-    "echo": (False,),
-    "best_of": (1,),
-    "suffix": ("",),
-    "logprobs": (False,),  # an integer asks for logprobs (0: the sampled token's)
-}
-CHAT_NEUTRAL: dict[str, tuple] = {
-    **_NEUTRAL,
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
-}
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """The fields one route takes: what it reads, and what it takes at a neutral value."""
-
-    name: str
-    reads: frozenset[str]
-    neutral: dict[str, tuple]
-
-    @property
-    def known(self) -> frozenset[str]:
-        return self.reads | HARMLESS | frozenset(self.neutral)
-
-
-COMPLETIONS = Endpoint("/v1/completions", HONOURED | {"prompt"}, COMPLETION_NEUTRAL)
-CHAT = Endpoint("/v1/chat/completions", HONOURED | {"messages"}, CHAT_NEUTRAL)
-
-
-def _same(value, neutral) -> bool:
-    """Equal and of the same kind: 0 is not False, 1.0 is 1."""
-
-    def kind(v):
-        if isinstance(v, bool):
-            return bool
-        return float if isinstance(v, int | float) else type(v)
-
-    return kind(value) is kind(neutral) and value == neutral
 
 
 class ApiError(Exception):
@@ -119,6 +55,17 @@ class Api:
     token_bytes: int | None = None
     """The most UTF-8 bytes one vocabulary entry spells (`max_token_bytes`): with the
     context window, how much prompt text could possibly fit, checked before tokenizing."""
+
+    served_names: tuple[str, ...] = ()
+    """Every name a request's `model` may give (`--served-model-name`); responses carry the
+    first, `model_id`."""
+    max_n: int = 16
+    """The most choices one request may ask for (http.max_n): prompts times n."""
+    vocab: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.served_names = self.served_names or (self.model_id,)
+        self.vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else 0
 
     @property
     def text_limit(self) -> int | None:
@@ -170,6 +117,28 @@ def check_separators(raw: bytes, api: Api) -> None:
         )
 
 
+def parse_body(raw: bytes, api: Api | None = None) -> dict:
+    """A request body as a JSON object, or the 4xx that says what it is instead (with `api`,
+    a body too big in its count of values for any request to this model, before parsing)."""
+    if api is not None:
+        check_separators(raw, api)
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(
+            f"the request body is not valid JSON ({exc}); expected a JSON object"
+        ) from None
+    except RecursionError:
+        raise ApiError(
+            "the request body nests arrays or objects too deeply to parse; expected a JSON "
+            "object of OpenAI request fields"
+        ) from None
+    if not isinstance(body, dict):
+        kind = "null" if body is None else type(body).__name__
+        raise ApiError(f"the request body is a JSON {kind}; expected an object")
+    return body
+
+
 def utf8_size(text: str, param: str) -> int:
     """The text's size in UTF-8 bytes; a lone surrogate (JSON allows "\\ud800") is refused."""
     try:
@@ -197,78 +166,50 @@ def check_text_fits(api: Api, size: int, param: str) -> None:
         )
 
 
-def field(body: dict, name: str, kind: type, default, expected: str):
-    """body[name] of `kind` (None counts as absent); bools are not numbers."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if not ok:
-        raise ApiError(f"{name} must be {expected}, got {value!r}", param=name)
-    return float(value) if kind is float else value
+def request(model: type, body: dict) -> Any:
+    """`body` parsed as the endpoint's schema model; a refused field is a 400 naming it."""
+    try:
+        return parse(model, body)
+    except RequestError as exc:
+        raise ApiError(exc.message, param=exc.param) from None
 
 
-def check_common(body: dict, api: Api, endpoint: Endpoint) -> None:
-    """The fields every request shares, and no field this server would ignore: one it does
-    not know, or one it does not implement at a value other than its neutral one. A null
-    counts as absent (the default, which changes nothing)."""
-    for name, value in body.items():
-        if value is None:
-            continue
-        if name not in endpoint.known:
-            raise ApiError(
-                f"unknown field {name!r}: POST {endpoint.name} takes "
-                f"{', '.join(sorted(endpoint.known))}; a field this server would ignore is "
-                "refused",
-                param=name,
-            )
-        neutral = endpoint.neutral.get(name)
-        if neutral is not None and not any(_same(value, n) for n in neutral):
-            allowed = " or ".join(json.dumps(n) for n in neutral)
-            raise ApiError(
-                f"{name}={json.dumps(value)[:80]} is not supported by this server "
-                f"(only {allowed}, the default, is accepted)",
-                param=name,
-            )
-    model = body.get("model")
-    if model is not None and model != api.model_id:
+def check_model(api: Api, model: str | None) -> None:
+    """A request names one of the served names, or none (then the first is meant)."""
+    if model and model not in api.served_names:
         raise ApiError(
-            f"unknown model {model!r}; this server serves {api.model_id!r}",
+            f"The model `{model}` does not exist; this server serves "
+            f"{', '.join(repr(n) for n in api.served_names)}",
             param="model",
+            status=404,
             code="model_not_found",
         )
-    n = field(body, "n", int, 1, "an integer")
-    if n != 1:
-        raise ApiError(f"n must be 1 (one choice per request), got {n}", param="n")
-    options = field(body, "stream_options", dict, {}, "an object")
-    unknown = sorted(set(options) - STREAM_OPTIONS)
-    if unknown:
+
+
+def check_token_ids(api: Api, ids: list[int], param: str) -> None:
+    """Token ids the target's tokenizer defines: [0, its vocabulary)."""
+    if api.vocab:
+        bad = [t for t in ids if t >= api.vocab]
+        if bad:
+            raise ApiError(
+                f"{param} holds token id {bad[0]}; this model's tokenizer defines ids "
+                f"0..{api.vocab - 1}",
+                param=param,
+            )
+
+
+def check_choices(api: Api, prompts: int, n: int) -> None:
+    if prompts * n > api.max_n:
+        what = f"{prompts} prompts x n {n}" if prompts > 1 else f"n {n}"
         raise ApiError(
-            f"unknown stream_options field {unknown[0]!r}: this server takes "
-            f"{', '.join(sorted(STREAM_OPTIONS))}",
-            param=f"stream_options.{unknown[0]}",
+            f"{what} asks for {prompts * n} choices; this server gives at most {api.max_n} a "
+            "request (http.max_n)",
+            param="n",
         )
 
 
-def stop_strings(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(
-            f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop"
-        )
-    return tuple(stops)
-
-
-def _max_tokens(body: dict, api: Api, prompt_len: int, default: int | None) -> int:
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
+def _max_tokens(api: Api, asked: int | None, prompt_len: int, default: int | None) -> int:
+    name = "max_tokens"
     room = None if api.context_length is None else api.context_length - prompt_len + 1
     if room is not None and room < 1:
         raise ApiError(
@@ -277,9 +218,7 @@ def _max_tokens(body: dict, api: Api, prompt_len: int, default: int | None) -> i
         )
     if default is None:
         default = api.max_tokens if room is None else min(api.max_tokens, room)
-    value = field(body, name, int, default, "an integer >= 1")
-    if value < 1:
-        raise ApiError(f"{name} must be an integer >= 1, got {value}", param=name)
+    value = default if asked is None else asked
     if value > api.max_tokens:
         raise ApiError(
             f"{name} {value} exceeds this cluster's limit limits.max_tokens = {api.max_tokens}",
@@ -296,42 +235,35 @@ def _max_tokens(body: dict, api: Api, prompt_len: int, default: int | None) -> i
 
 
 def sampling_params(
-    body: dict, api: Api, prompt_len: int, default_max: int | None
-) -> SamplingParams:
-    """The session's fixed params from an OpenAI body (OpenAI defaults: temperature 1)."""
-    temperature = field(body, "temperature", float, 1.0, "a number >= 0")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ApiError(f"temperature must be a number >= 0, got {temperature}", param="temperature")
-    top_p = field(body, "top_p", float, 1.0, "a number in (0, 1]")
-    if not 0 < top_p <= 1:
-        raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = field(body, "top_k", int, 0, "an integer (0 or -1 = off)")
-    if not -1 <= top_k < SEED_LIMIT:
-        raise ApiError(
-            f"top_k must be an integer in [-1, 2**32) (0 or -1 = off), got {top_k}", param="top_k"
-        )
-    seed = field(body, "seed", int, None, "an integer")
-    if seed is None:
-        seed = secrets.randbelow(SEED_LIMIT)
-    elif not 0 <= seed < SEED_LIMIT:
-        raise ApiError(f"seed must be in [0, 2**32), got {seed}", param="seed")
-    ignore_eos = field(body, "ignore_eos", bool, False, "a boolean")
+    req, api: Api, prompt_len: int, max_new: int | None, default_max: int | None
+) -> list[SamplingParams]:
+    """The sessions' fixed params, one per choice (OpenAI defaults: temperature 1). Choice j
+    of a request with seed S runs seed S + j (mod 2**32), so each choice is the one-choice
+    request with that seed; without a seed each draws its own."""
+    check_token_ids(api, list(req.stop_token_ids), "stop_token_ids")
     eos = getattr(api.tokenizer, "eos_token_id", None)
-    return SamplingParams(
-        temperature=temperature,
-        top_k=max(top_k, 0),
-        top_p=top_p,
-        max_tokens=_max_tokens(body, api, prompt_len, default_max),
-        stop_tokens=() if ignore_eos or eos is None else (int(eos),),
-        seed=seed,
-    )
+    stops = dict.fromkeys([*(() if req.ignore_eos or eos is None else (int(eos),))])
+    stops.update(dict.fromkeys(req.stop_token_ids))
+    max_tokens = _max_tokens(api, max_new, prompt_len, default_max)
+    return [
+        SamplingParams(
+            temperature=req.temperature,
+            top_k=max(req.top_k, 0),
+            top_p=req.top_p,
+            max_tokens=max_tokens,
+            stop_tokens=tuple(stops),
+            seed=secrets.randbelow(SEED_LIMIT) if req.seed is None else (req.seed + j) % SEED_LIMIT,
+        )
+        for j in range(req.n)
+    ]
 
 
-def encode_text(api: Api, text: str, param: str) -> list[int]:
-    """Text to token ids, once its size is known to fit (`check_text_fits`). Blocking: the
-    handlers call it in a worker thread."""
+def encode_text(api: Api, text: str, param: str, *, special: bool = False) -> list[int]:
+    """Text to token ids, once its size is known to fit (`check_text_fits`); `special`: the
+    tokenizer adds its special tokens (a BOS where it says so). Blocking: the handlers call it
+    in a worker thread."""
     check_text_fits(api, utf8_size(text, param), param)
-    tokens = list(api.tokenizer.encode(text, add_special_tokens=False))
+    tokens = list(api.tokenizer.encode(text, add_special_tokens=special))
     if not tokens:
         raise ApiError(
             f"{param} {text!r} encodes to no tokens; give a non-empty prompt", param=param
@@ -339,44 +271,25 @@ def encode_text(api: Api, text: str, param: str) -> list[int]:
     return tokens
 
 
-def prompt_tokens(body: dict, api: Api) -> list[int]:
-    """A completion prompt: text or token ids, one prompt per request. Blocking (it may
-    tokenize): the handlers call it in a worker thread."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(
-            "missing required field 'prompt' (a string or a list of token ids)", param="prompt"
-        )
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+def prompt_tokens(api: Api, prompt: str | list[int], param: str, special: bool) -> list[int]:
+    """One completion prompt, text or token ids. Blocking (it may tokenize): the handlers
+    call it in a worker thread."""
     if isinstance(prompt, str):
-        return encode_text(api, prompt, "prompt")
+        return encode_text(api, prompt, param, special=special)
     context = api.context_length
-    if isinstance(prompt, list) and context is not None and len(prompt) > context:
+    if context is not None and len(prompt) > context:
         raise ApiError(
-            f"prompt is a list of {len(prompt)} token ids; the model's context window is "
+            f"{param} is a list of {len(prompt)} token ids; the model's context window is "
             f"{context} positions",
-            param="prompt",
+            param=param,
             code="context_length_exceeded",
         )
-    ids = isinstance(prompt, list) and prompt
-    if ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        return list(ids)
-    raise ApiError(
-        f"prompt must be a non-empty string or list of token ids (one prompt per request), "
-        f"got {json.dumps(prompt)[:80]}",
-        param="prompt",
-    )
+    check_token_ids(api, prompt, param)
+    return list(prompt)
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
+def chat_messages(messages: list) -> list[dict[str, str]]:
     """Messages as {role, content} with text content (text parts joined)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(
-            f"messages must be a non-empty list of {{role, content}} objects, got {messages!r}",
-            param="messages",
-        )
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
@@ -407,19 +320,50 @@ def check_messages_fit(api: Api, messages: list[dict[str, str]]) -> None:
     check_text_fits(api, size, "messages")
 
 
-def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+@dataclass(frozen=True)
+class ChatForm:
+    """How a chat prompt ends and what its template is told, as vLLM's requests say it."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, req) -> ChatForm:
+        return cls(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+
+
+def chat_prompt(tokenizer, messages: list[dict[str, str]], form: ChatForm = ChatForm()) -> str:
     """The checkpoint's own chat template when it has one, else role-labelled turns."""
     if not getattr(tokenizer, "chat_template", None):
-        return simple_chat_prompt(messages)
+        return simple_chat_prompt(messages, form)
+    reserved = {"tokenize", "conversation", "add_generation_prompt", "continue_final_message"}
+    clash = sorted(reserved & set(form.template_kwargs))
+    if clash:
+        raise ApiError(
+            f"chat_template_kwargs may not set {clash[0]!r}: give it as a request field",
+            param="chat_template_kwargs",
+        )
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=form.add_generation_prompt,
+            continue_final_message=form.continue_final_message,
+            **form.template_kwargs,
+        )
     except Exception as exc:  # jinja raises its own errors (e.g. roles out of order)
         raise ApiError(
             f"the model's chat template refused the messages: {exc}", param="messages"
         ) from exc
 
 
-def simple_chat_prompt(messages: list[dict[str, str]]) -> str:
+def simple_chat_prompt(messages: list[dict[str, str]], form: ChatForm = ChatForm()) -> str:
     """For checkpoints without a template (the fixtures): `Role: content` lines, then the
-    assistant's cue."""
-    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+    assistant's cue (or the final message left open, to be continued)."""
+    if form.continue_final_message:
+        *before, last = messages
+        head = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in before)
+        return head + f"{last['role'].capitalize()}: {last['content']}"
+    turns = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return turns + ("Assistant:" if form.add_generation_prompt else "")

@@ -19,19 +19,29 @@ class TextStream:
     Every feed decodes the whole token list, so a character or merge split across tokens
     comes out whole; a trailing partial character (U+FFFD) and any tail that could begin a
     stop string are held back until the next feed, and only text that extends what was
-    already sent is emitted. The first stop string to complete cuts the text and ends the
-    stream.
+    already sent is emitted. The first stop string to complete cuts the text (after it with
+    `include_stop`) and ends the stream. `skip_special`: special tokens (an end of sequence,
+    a chat turn's markers) spell nothing.
     """
 
-    def __init__(self, tokenizer, stops: Sequence[str] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        stops: Sequence[str] = (),
+        *,
+        include_stop: bool = False,
+        skip_special: bool = True,
+    ):
         self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.include_stop, self.skip_special = include_stop, skip_special
         self.tokens: list[int] = []
         """Tokens the text covers: all fed, or those through the one completing a stop."""
         self.sent = ""
-        self.stopped = False
+        self.stopped: str | None = None
+        """The stop string that ended the text, once one has."""
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=self.skip_special)
 
     def feed(self, tokens: Sequence[int], *, final: bool = False) -> str:
         """Add durable tokens; return the text now safe to send (`final`: send the rest)."""
@@ -41,9 +51,9 @@ class TextStream:
         cut = self._find_stop(text)
         if cut is not None:
             start, end = cut
-            self.stopped = True
+            self.stopped = text[start:end]
             self.tokens = self.tokens[: self._tokens_through(text[:end], before)]
-            return self._extend(text[:start], last=True)
+            return self._extend(text[: end if self.include_stop else start], last=True)
         if not final:
             text = text[: len(text) - self._holdback(text)]
         return self._extend(text, last=final)

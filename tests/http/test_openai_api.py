@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from muser_app.fixtures import natural_prompts
-from proposer_mac.http_api import served_model_id
+from proposer_mac.http_model import served_model_id
 from proposer_mac.openai_request import simple_chat_prompt
 from tests.cluster.harness import muser
 
@@ -137,6 +137,27 @@ def test_seeded_sampling_repeats_and_equals_the_local_lane(client, model_id, pro
     assert sample(SEED + 1) != first
 
 
+def test_each_choice_is_the_one_choice_request_with_the_seed_plus_its_index(
+    client, model_id, prompt, local_sampled
+):
+    kwargs = dict(model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1)
+    both = client.completions.create(**kwargs, n=2, seed=SEED)
+    first = client.completions.create(**kwargs, seed=SEED)
+    second = client.completions.create(**kwargs, seed=SEED + 1)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == first.choices[0].text == local_sampled  # the local lane
+    assert both.choices[1].text == second.choices[0].text
+    assert [c.model_extra["muser"]["seed"] for c in both.choices] == [SEED, SEED + 1]
+    tokens = first.usage.completion_tokens + second.usage.completion_tokens
+    assert both.usage.completion_tokens == tokens
+    assert both.usage.prompt_tokens == first.usage.prompt_tokens  # one prompt, counted once
+
+
+def test_health_answers_200_while_a_verifier_serves(base_url):
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health", timeout=30) as r:
+        assert r.status == 200 and r.read() == b""
+
+
 def test_stop_strings_cut_the_text_and_end_generation(client, model_id, prompt, plain):
     stop = plain[len(plain) // 2 : len(plain) // 2 + 3]
     expected = plain[: plain.index(stop)]
@@ -236,19 +257,20 @@ def post(base_url: str, path: str, body: bytes) -> tuple[int, dict]:
 
 
 BAD_REQUESTS = [
-    ("/completions", {"model": "nope", "prompt": "x"}, "model", "unknown model 'nope'"),
     ("/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens", "limits.max_tokens = 4096"),
-    ("/completions", {"prompt": "x", "temperature": -0.5}, "temperature", ">= 0, got -0.5"),
-    ("/completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
-    ("/completions", {"prompt": "x", "stop": [""]}, "stop", "non-empty string"),
-    ("/completions", {"prompt": "x", "seed": -1}, "seed", "[0, 2**32), got -1"),
-    ("/completions", {"max_tokens": 8}, "prompt", "missing required field 'prompt'"),
+    ("/completions", {"prompt": "x", "temperature": -0.5}, "temperature", "got -0.5"),
+    ("/completions", {"prompt": "x", "n": 0}, "n", "greater than or equal to 1, got 0"),
+    ("/completions", {"prompt": "x", "n": 17}, "n", "at most 16 a request (http.max_n)"),
+    ("/completions", {"prompt": "x", "stop": [""]}, "stop", "non-empty strings"),
+    ("/completions", {"prompt": "x", "seed": -1}, "seed", "got -1"),
+    ("/completions", {"max_tokens": 8}, "prompt", "prompt: Field required, missing"),
     ("/completions", {"prompt": [7] * 2040, "max_tokens": 64}, "max_tokens", "window is 2048"),
-    ("/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
-    ("/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "unknown field 'min_p'"),
+    ("/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", "defines ids"),
+    ("/completions", {"prompt": [5, 10**6]}, "prompt", "holds token id 1000000"),
+    ("/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "min_p=0.1 is not supported"),
     ("/completions", {"prompt": "x", "logprobs": 0}, "logprobs", "logprobs=0 is not supported"),
     ("/chat/completions", {"messages": [], "top_logprobs": 3}, "top_logprobs", "not supported"),
-    ("/chat/completions", {"max_tokens": 8}, "messages", "messages must be a non-empty list"),
+    ("/chat/completions", {"max_tokens": 8}, "messages", "messages: Field required"),
     ("/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]", "content"),
 ]
 
@@ -271,9 +293,15 @@ def test_malformed_json_and_unknown_routes_get_error_json(base_url):
 
 def test_the_official_client_raises_bad_request_with_the_message(client):
     with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="target", prompt="x", max_tokens=4, temperature=-1)
+    assert err.value.status_code == 400 and "temperature" in err.value.message
+
+
+def test_an_unknown_model_is_not_found_as_vllm_says_it(client):
+    with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=4)
-    assert err.value.status_code == 400
-    assert "unknown model 'gpt-4'" in err.value.message
+    assert err.value.status_code == 404
+    assert "The model `gpt-4` does not exist" in err.value.message
     assert err.value.code == "model_not_found"
 
 

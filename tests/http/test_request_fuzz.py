@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proposer_mac import http_api
-from proposer_mac.openai_request import CHAT, COMPLETIONS, ApiError
+from proposer_mac.openai_protocol import ChatCompletionRequest, CompletionRequest
+from proposer_mac.openai_request import ApiError, parse_body
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
 JSON = st.recursive(
@@ -34,7 +35,7 @@ MESSAGE = st.fixed_dictionaries(
 def bodies(endpoint) -> st.SearchStrategy[dict]:
     """Objects whose keys are mostly the endpoint's own (so values reach every check), with
     values of any JSON kind, a few unknown keys, chat messages of any shape."""
-    known = sorted(endpoint.known)
+    known = sorted({*endpoint.model_fields, *endpoint.NOT_YET})
     value = JSON | SURROGATES
     special = {
         "messages": st.lists(MESSAGE, max_size=3) | JSON,
@@ -58,7 +59,7 @@ def api(tokenizer):
 def check(api, body: dict, chat: bool) -> None:
     raw = json.dumps(body).encode("utf-8", "surrogatepass")
     try:
-        http_api.prepare(http_api.parse_body(raw, api), api, chat)
+        http_api.prepare(parse_body(raw, api), api, chat)
     except ApiError as exc:
         assert 400 <= exc.status < 500, exc.message
         assert exc.message and exc.body()["error"]["type"] == "invalid_request_error"
@@ -68,13 +69,13 @@ FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCh
 
 
 @FUZZ
-@given(body=bodies(COMPLETIONS))
+@given(body=bodies(CompletionRequest))
 def test_any_completion_body_is_prepared_or_refused_with_a_4xx(api, body):
     check(api, body, chat=False)
 
 
 @FUZZ
-@given(body=bodies(CHAT))
+@given(body=bodies(ChatCompletionRequest))
 def test_any_chat_body_is_prepared_or_refused_with_a_4xx(api, body):
     check(api, body, chat=True)
 
@@ -84,13 +85,13 @@ LONG = settings(FUZZ, max_examples=10_000)
 
 @pytest.mark.slow
 @LONG
-@given(body=bodies(COMPLETIONS))
+@given(body=bodies(CompletionRequest))
 def test_ten_thousand_completion_bodies_are_prepared_or_refused_with_a_4xx(api, body):
     check(api, body, chat=False)
 
 
 @pytest.mark.slow
 @LONG
-@given(body=bodies(CHAT))
+@given(body=bodies(ChatCompletionRequest))
 def test_ten_thousand_chat_bodies_are_prepared_or_refused_with_a_4xx(api, body):
     check(api, body, chat=True)
