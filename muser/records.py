@@ -16,11 +16,12 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from muser.canonical import CanonicalError, Reader, Writer, domain_of
+from muser.logprobs import TokenLogprobs
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, SparseRow
 from muser.tree import Tree, check_path, tree_draws
@@ -116,16 +117,20 @@ class SessionOpen:
     capture_layers: tuple[int, ...] = ()
 
     def encode(self) -> bytes:
-        w = Writer("session-open").raw(self.session_id, 16)
+        logprobs = self.params.logprobs
+        w = Writer("session-open" if logprobs is None else LOGPROBS_OPEN).raw(self.session_id, 16)
         _identity(w, self.target)
         _identity(w, self.draft)
         _params(w, self.params)
         w.raw(self.prompt_digest, 32).text(self.proposer_key_id).u32s(self.capture_layers)
+        if logprobs is not None:
+            w.u32(logprobs)
         return w.bytes()
 
     @classmethod
     def decode(cls, data: bytes) -> SessionOpen:
-        r = Reader(data, "session-open")
+        logprobs = domain_of(data) == LOGPROBS_OPEN
+        r = Reader(data, LOGPROBS_OPEN if logprobs else "session-open")
         out = cls(
             r.raw(16),
             _read_identity(r),
@@ -135,6 +140,8 @@ class SessionOpen:
             r.text(),
             tuple(r.u32s()),
         )
+        if logprobs:
+            out = replace(out, params=replace(out.params, logprobs=r.u32()))
         r.end()
         return out
 
@@ -242,6 +249,14 @@ TREE_REQUEST, TREE_RESULT, TREE_RECORD = (
 )
 """The domains of a tree round's records: a chain's keep theirs, byte for byte."""
 
+LOGPROBS_OPEN = "logprobs-session-open"
+"""The domain of a session's open that asks for logprobs (`SamplingParams.logprobs`): the
+count of alternatives follows the open's fields. A session without keeps "session-open"."""
+LOGPROBS = "logprobs-"
+"""Prefixes the domain of a signed round result that carries logprobs (`RoundResult.logprobs`,
+after its head and signer: the head chain does not cover them, so a proposer still computes
+the head from an early decision; the verifier's signature does)."""
+
 LOOKUP_REQUEST = "lookup-round-request"
 """The domain of a decode round's request that ends where prompt lookup proposes
 (`RoundRequest.lookup`); its result is a decode round's, in the chain's domain."""
@@ -282,6 +297,9 @@ class RoundResult:
     """A tree round's topology, as its request carried it (empty for a chain)."""
     path: tuple[int, ...] = ()
     """A tree round's accepted nodes, root's child first (`accepted` is their count)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """With a session that asked for them, one per emitted token (muser.logprobs), in the
+    signed result only (not the round record)."""
 
     @property
     def is_tree(self) -> bool:
@@ -308,13 +326,25 @@ class RoundResult:
 
     def encode(self) -> bytes:
         """What the verifier signs."""
-        w = self._body(Writer(TREE_RESULT if self.parents else "round-result"))
-        return w.raw(self.head, 32).text(self.verifier_key_id).bytes()
+        domain = TREE_RESULT if self.parents else "round-result"
+        if self.logprobs and len(self.logprobs) != len(self.emitted()):
+            raise CanonicalError(
+                f"a result emitting {len(self.emitted())} tokens carries {len(self.logprobs)} "
+                "logprobs"
+            )
+        w = self._body(Writer(LOGPROBS + domain if self.logprobs else domain))
+        w.raw(self.head, 32).text(self.verifier_key_id)
+        for lp in self.logprobs:
+            w.f64(lp.logprob).u32s(lp.top_ids).f64s(lp.top_logprobs)
+        return w.bytes()
 
     @classmethod
     def decode(cls, data: bytes) -> RoundResult:
-        tree = domain_of(data) == TREE_RESULT
-        r = Reader(data, TREE_RESULT if tree else "round-result")
+        domain = domain_of(data) or ""
+        logprobs = domain.startswith(LOGPROBS)
+        domain = domain.removeprefix(LOGPROBS)
+        tree = domain == TREE_RESULT
+        r = Reader(data, (LOGPROBS if logprobs else "") + (TREE_RESULT if tree else "round-result"))
         head = (r.raw(16), r.u64(), r.u64(), r.raw(32), r.raw(32), r.u32(), tuple(r.u32s()))
         parents, path = (_tree_parents(r), tuple(r.u32s())) if tree else ((), ())
         accepted, decoded = r.u32(), tuple(r.u32s())
@@ -335,6 +365,8 @@ class RoundResult:
             parents,
             path,
         )
+        if logprobs:
+            out = replace(out, logprobs=tuple(_read_logprobs(r) for _ in out.emitted()))
         r.end()
         return out
 
@@ -352,6 +384,13 @@ class RoundResult:
             check_path(self.parents, self.path)
             return tree_draws(self.parents, self.path, greedy)
         return draws_for_round(len(self.drafts), self.accepted, greedy, len(self.emitted()))
+
+
+def _read_logprobs(r: Reader) -> TokenLogprobs:
+    logprob, ids, values = r.f64(), tuple(r.u32s()), tuple(r.f64s())
+    if len(ids) != len(values):
+        raise CanonicalError(f"logprobs name {len(ids)} tokens and {len(values)} values")
+    return TokenLogprobs(logprob, ids, values)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ import numpy as np
 from muser.errors import InvalidSamplingParamsError, InvalidWeightsError, TokenOutOfVocabularyError
 from muser.round import DEFAULT_Q_TOP_K as DEFAULT_Q_TOP_K
 
+LOGPROBS_MAX = 20
+"""The most alternatives a session may ask logprobs for per token (vLLM's default bound)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,6 +42,10 @@ class SamplingParams:
     """Generation ends after emitting any of these."""
     seed: int = 0
     """Seeds the session's MT19937 stream (init_genrand)."""
+    logprobs: int | None = None
+    """With k (0..LOGPROBS_MAX), every emitted token comes with the target's log-probability
+    of it and the k most probable alternatives (muser.logprobs), signed in each result; None:
+    none."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -53,6 +60,11 @@ class SamplingParams:
             raise InvalidSamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed < 0 or self.seed >= 2**32:
             raise InvalidSamplingParamsError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= LOGPROBS_MAX:
+            raise InvalidSamplingParamsError(
+                f"logprobs must be in [0, {LOGPROBS_MAX}] alternatives (or none), got "
+                f"{self.logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:

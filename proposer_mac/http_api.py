@@ -205,6 +205,7 @@ class Prepared:
     skip_special: bool
     stream: bool
     include_usage: bool
+    token_ids: bool
 
 
 def prepare(body: dict, api: Api, chat: bool) -> Prepared:
@@ -242,6 +243,7 @@ def prepare(body: dict, api: Api, chat: bool) -> Prepared:
         req.skip_special_tokens,
         req.stream,
         req.include_usage,
+        req.return_tokens_as_token_ids,
     )
 
 
@@ -268,7 +270,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 skip_special=job.skip_special,
             )
             choices.append(Choice(index, runner, text, echo))
-        reply = Reply(api, chat, choices, job.prompt_tokens, job.user_stops)
+        reply = Reply(api, chat, choices, job.prompt_tokens, job.user_stops, job.token_ids)
         if job.stream:
             return await _stream(request, reply, job.include_usage)
         return await _collect(reply)

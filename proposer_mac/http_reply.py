@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from muser.errors import MuserError
+from muser.logprobs import TokenLogprobs
 from proposer_mac.link import LinkDown, RoundRefused
 from proposer_mac.openai_request import Api, ApiError
 from proposer_mac.session import ResultRejected
@@ -78,6 +79,20 @@ class Choice:
     text: TextStream
     echo: str = ""
     """Text sent ahead of the completion (the prompt, for `echo`)."""
+    logprobs_sent: int = 0
+    """Tokens whose logprobs went out already (a stream sends each token's once)."""
+    text_offset: int = 0
+    """Where the next token's text starts in the choice's text (completions' logprobs)."""
+
+    def fresh_logprobs(self) -> list[tuple[int, TokenLogprobs]]:
+        """(token, its logprobs) for the tokens the text covers that no response named yet;
+        [] for a session that asked for none."""
+        session = self.runner.session
+        if session.params.logprobs is None:
+            return []
+        start, end = self.logprobs_sent, len(self.text.tokens)
+        self.logprobs_sent = end
+        return list(zip(self.text.tokens[start:end], session.logprobs[start:end], strict=True))
 
     def stop_reason(self, reason: str | None, user_stops: frozenset[int]) -> str | int | None:
         """vLLM's `stop_reason`: the stop string or stop_token_ids entry that ended the
@@ -112,6 +127,8 @@ class Reply:
     choices: list[Choice]
     prompt_tokens: int
     user_stops: frozenset[int]
+    token_ids: bool = False
+    """`return_tokens_as_token_ids`: logprobs name tokens by id."""
 
     def envelope(self, chunk: bool) -> dict:
         sid = self.choices[0].runner.session.session_id.hex()
@@ -132,12 +149,59 @@ class Reply:
             out["delta"] = {"content": content} if content else {}
         else:
             out["message"] = {"role": "assistant", "content": content}
-        out.update(logprobs=None, finish_reason=reason)
+        out.update(logprobs=self.logprobs(c), finish_reason=reason)
         if reason is not None or not chunk:
             out["stop_reason"] = c.stop_reason(reason, self.user_stops)
         if reason is not None and len(self.choices) > 1:
             out["muser"] = c.muser()
         return out
+
+    def logprobs(self, c: Choice) -> dict | None:
+        """The choice's new tokens' logprobs as vLLM shapes them: chat's `content` list, or
+        completions' parallel lists; None for a session that asked for none."""
+        if c.runner.session.params.logprobs is None:
+            return None
+        fresh = c.fresh_logprobs()
+        piece = self.piece
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        **_entry(piece(t), lp.logprob),
+                        "top_logprobs": [
+                            _entry(piece(i), v)
+                            for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+                        ],
+                    }
+                    for t, lp in fresh
+                ]
+            }
+        offsets, tokens = [], []
+        for t, _ in fresh:
+            offsets.append(c.text_offset)
+            tokens.append(piece(t))
+            c.text_offset += len(tokens[-1])
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [_clamp(lp.logprob) for _, lp in fresh],
+            "tokens": tokens,
+            "top_logprobs": [
+                {
+                    piece(t): _clamp(lp.logprob),
+                    **{
+                        piece(i): _clamp(v)
+                        for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+                    },
+                }
+                for t, lp in fresh
+            ],
+        }
+
+    def piece(self, token: int) -> str:
+        """One token as logprobs name it: its text, or "token_id:ID" when asked."""
+        if self.token_ids:
+            return f"token_id:{token}"
+        return self.api.tokenizer.decode([token])
 
     def usage(self) -> dict:
         completion = sum(len(c.text.tokens) for c in self.choices)
@@ -150,6 +214,22 @@ class Reply:
     def muser(self) -> dict:
         """The first choice's session (each choice carries its own when there are several)."""
         return self.choices[0].muser()
+
+
+LOGPROB_FLOOR = -9999.0
+"""What a log-probability of minus infinity reads as in JSON (vLLM's floor)."""
+
+
+def _clamp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {
+        "token": token,
+        "logprob": _clamp(logprob),
+        "bytes": list(token.encode("utf-8", errors="replace")),
+    }
 
 
 _DONE = object()

@@ -19,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from muser.sampling import LOGPROBS_MAX
+
 log = logging.getLogger("muser.http")
 
 SEED_LIMIT = 2**32
@@ -115,7 +117,6 @@ _NOT_YET_BOTH: dict[str, tuple] = {
     "guided_grammar": (),
     "structured_outputs": (),
     "logits_processors": (),
-    "return_tokens_as_token_ids": (False,),
     "response_format": ({"type": "text"},),
 }
 
@@ -140,6 +141,8 @@ class SamplingFields(OpenAIBaseModel):
     metadata: dict[str, Any] | None = None
     request_id: str | None = None
     priority: int = 0
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name each token as "token_id:ID" instead of its text (vLLM's flag)."""
 
     @model_validator(mode="after")
     def _check(self) -> SamplingFields:
@@ -170,7 +173,6 @@ class CompletionRequest(SamplingFields):
 
     NOT_YET: ClassVar[dict[str, tuple]] = {
         **_NOT_YET_BOTH,
-        "logprobs": (False,),  # an integer asks for logprobs (0: the sampled token's)
         "best_of": (1,),
         "suffix": ("",),
     }
@@ -179,6 +181,23 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     echo: bool = False
     add_special_tokens: bool = True
+    logprobs: int | None = Field(None, ge=0, le=LOGPROBS_MAX)
+    """Each token's log-probability and this many most probable alternatives."""
+
+    @model_validator(mode="after")
+    def _echo_has_no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise RequestError(
+                "echo",
+                "echo with logprobs asks for the prompt's logprobs, which this server does not "
+                "give yet; ask for one or the other",
+            )
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        """Alternatives each token's logprobs carry; None: no logprobs."""
+        return self.logprobs
 
     @model_validator(mode="after")
     def _every_prompt_non_empty(self) -> CompletionRequest:
@@ -202,8 +221,6 @@ class ChatCompletionRequest(SamplingFields):
 
     NOT_YET: ClassVar[dict[str, tuple]] = {
         **_NOT_YET_BOTH,
-        "logprobs": (False,),
-        "top_logprobs": (0,),
         "tools": ([],),
         "functions": ([],),
         "tool_choice": ("none", "auto"),
@@ -222,10 +239,25 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     parallel_tool_calls: bool = True
     include_reasoning: bool = True
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=LOGPROBS_MAX)
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> ChatCompletionRequest:
         return _check_prompt_kind(self)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError(
+                "top_logprobs", "top_logprobs needs logprobs: true (it counts their alternatives)"
+            )
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        """Alternatives each token's logprobs carry; None: no logprobs."""
+        return self.top_logprobs if self.logprobs else None
 
     @property
     def max_new(self) -> int | None:

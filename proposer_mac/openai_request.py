@@ -253,6 +253,7 @@ def sampling_params(
             max_tokens=max_tokens,
             stop_tokens=tuple(stops),
             seed=secrets.randbelow(SEED_LIMIT) if req.seed is None else (req.seed + j) % SEED_LIMIT,
+            logprobs=req.alternatives,
         )
         for j in range(req.n)
     ]

@@ -10,6 +10,7 @@ and the head chain. Anything else is refused and never emitted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from muser import keys
 from muser.errors import MuserError, RefusedError, TreeTopologyError
+from muser.logprobs import TokenLogprobs
 from muser.lookup import PromptLookup
 from muser.mt19937 import Mt19937
 from muser.records import (
@@ -79,6 +81,9 @@ class ProposerSession:
     transcript: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     """Tokens handed to clients (clipped at stop tokens / max tokens)."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """With a session that asked for logprobs, one per emitted token, as the verifier signed
+    them (the target's own, muser.logprobs)."""
     head: bytes = b""
     state: Mt19937 | None = None
     next_round: int = 0
@@ -326,6 +331,7 @@ class ProposerSession:
         if any(not 0 <= t < vocab for t in (*result.decoded, result.next_frontier)):
             raise ResultRejected(f"result tokens {emitted} reach outside the vocabulary")
         self._check_decoded(request, result)
+        self._check_logprobs(result, len(emitted), vocab)
         post = advance(self.state, result.draws(self.params.greedy))
         if result.post_state_digest != state_digest(post):
             raise ResultRejected("result post-round MT state digest does not match the draws")
@@ -335,6 +341,30 @@ class ProposerSession:
             raise ResultRejected("result head is not H(prev_head ‖ round record)")
         self._checked = (result, post)  # apply() takes the post-round state from here
         return result
+
+    def _check_logprobs(self, result: RoundResult, emitted: int, vocab: int) -> None:
+        """A session that asked for logprobs gets one per emitted token, each with as many
+        alternatives as it asked (the vocabulary permitting), ids inside the vocabulary and
+        log-probabilities <= 0; a session that did not gets none."""
+        k = self.params.logprobs
+        if k is None:
+            if result.logprobs:
+                raise ResultRejected("result carries logprobs; the session asked for none")
+            return
+        if len(result.logprobs) != emitted:
+            raise ResultRejected(
+                f"result carries {len(result.logprobs)} logprobs for {emitted} emitted tokens"
+            )
+        for i, lp in enumerate(result.logprobs):
+            values = (lp.logprob, *lp.top_logprobs)
+            ids = lp.top_ids
+            if len(set(ids)) != min(k, vocab) or any(not 0 <= t < vocab for t in ids):
+                raise ResultRejected(
+                    f"result logprobs[{i}] names tokens {list(lp.top_ids)}; expected "
+                    f"{min(k, vocab)} distinct ids below {vocab}"
+                )
+            if any(math.isnan(v) or v > 0.0 for v in values):
+                raise ResultRejected(f"result logprobs[{i}] holds {values}: not log-probabilities")
 
     def _check_tree(self, request: RoundRequest, result: RoundResult) -> None:
         """A tree round's result carries its request's topology and a path of it, accepted
@@ -439,5 +469,6 @@ class ProposerSession:
             emitted, len(self.emitted), self.params.max_tokens, self.params.stop_tokens
         )
         self.emitted += emission.tokens
+        self.logprobs += result.logprobs[: len(emission.tokens)]
         self.done = emission.done
         return emission.tokens

@@ -18,6 +18,7 @@ from muser import keys
 from muser.backend import ModelBackend
 from muser.capture import encode_capture
 from muser.health import backend_failure
+from muser.logprobs import token_logprobs
 from muser.records import RoundRequest, RoundResult, Signed, state_digest, transcript_digest
 from muser.sampling import target_probs
 from muser.stats import VerifierStats
@@ -111,17 +112,20 @@ class RoundComputer:
                 out.append(frags)
                 continue
             try:  # a round served by a lookahead counts the forward it took then
-                out.append(self._sign(job, c[0], frags, verify_s=share + early))
+                out.append(self._sign(job, c[0], frags, c[2], verify_s=share + early))
             except Exception as exc:  # raised in the round's own coroutine
                 out.append(exc)
         return out
 
-    def _sign(self, job: RoundJob, decision: RoundDecision, captures, *, verify_s: float):
+    def _sign(self, job: RoundJob, decision: RoundDecision, captures, rows, *, verify_s: float):
         """Build the RoundResult naming the round's `captures` ((digest, data) fragments),
-        check it against the state and sign it."""
+        with the logprobs of its emitted tokens from their raw `rows` when its session asked
+        for them, check it against the state and sign it."""
         state, request, digest = job.state, job.request, job.digest
         tree = request.tree if request.is_tree else None
         emitted = decision.emitted(tree) if tree else decision.emitted(request.drafts)
+        k = state.params.logprobs
+        logprobs = () if k is None else token_logprobs(rows, emitted, k)
         result = RoundResult(
             state.session_id,
             request.round,
@@ -140,6 +144,7 @@ class RoundComputer:
             () if tree else decision.decoded,
             tuple(request.parents),
             tuple(decision.path) if tree else (),
+            logprobs,
         )
         result = replace(result, head=result.expected_head())
         post = state.check_round(result, digest)
@@ -271,7 +276,7 @@ class RoundComputer:
                 if captures[i]
                 else (0, [])
             )
-            out[i] = (decode_decision(decoded, jobs[i].state.mt), kept)
+            out[i] = (decode_decision(decoded, jobs[i].state.mt), kept, decoded.logits)
 
     def _judge(self, job: RoundJob, ex, logits: np.ndarray, captured: dict[int, np.ndarray]):
         state, request = job.state, job.request
@@ -284,9 +289,11 @@ class RoundComputer:
             # the rows not sent yet before the frontier, the frontier's, the accepted path's
             before = len(state.transcript) - 1 - state.capture_from
             at = [*range(before + 1), *(before + 1 + i for i in decision.path)]
-            return decision, (
-                state.capture_from,
-                [(layer, captured[layer][at]) for layer in sorted(captured)],
+            judged = [0, *(1 + i for i in decision.path)]  # the rows the emitted tokens met
+            return (
+                decision,
+                (state.capture_from, [(layer, captured[layer][at]) for layer in sorted(captured)]),
+                logits[judged],
             )
         decision: RoundDecision = judge_round(
             state.mt,
@@ -300,7 +307,8 @@ class RoundComputer:
         # rows from capture_from up to the next frontier (muser.capture): the positions not
         # sent yet before the round, its frontier and its accepted drafts
         first, end = state.capture_from, len(state.transcript) + decision.accepted
-        return decision, (
-            first,
-            [(layer, captured[layer][: end - first]) for layer in sorted(captured)],
+        return (
+            decision,
+            (first, [(layer, captured[layer][: end - first]) for layer in sorted(captured)]),
+            logits[: decision.accepted + 1],
         )

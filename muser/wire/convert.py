@@ -10,6 +10,7 @@ import numpy as np
 
 from muser.canonical import CanonicalError, pack_f64s, pack_u32s, unpack_f64s, unpack_u32s
 from muser.errors import TreeTopologyError
+from muser.logprobs import TokenLogprobs
 from muser.records import (
     Identity,
     RoundRequest,
@@ -31,6 +32,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         max_tokens=p.max_tokens,
         stop_tokens=list(p.stop_tokens),
         seed=p.seed,
+        logprobs=p.logprobs,
     )
 
 
@@ -43,6 +45,7 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
         max_tokens=m.max_tokens,
         stop_tokens=tuple(m.stop_tokens),
         seed=m.seed,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
     )
 
 
@@ -185,6 +188,12 @@ def result_to_pb(signed: Signed, timings: dict[str, float] | None = None) -> pb.
         decoded=list(r.decoded),
         parents=list(r.parents),
         path=list(r.path),
+        logprobs=[
+            pb.TokenLogprobs(
+                logprob=lp.logprob, top_ids=list(lp.top_ids), top_logprobs=list(lp.top_logprobs)
+            )
+            for lp in r.logprobs
+        ],
         verify_s=t.get("verify_s", 0.0),
         wal_s=t.get("wal_s", 0.0),
         sign_s=t.get("sign_s", 0.0),
@@ -210,5 +219,9 @@ def result_from_pb(m: pb.RoundResult) -> Signed:
         tuple(m.decoded),
         parents_from_pb(m.parents),
         tuple(m.path),
+        tuple(
+            TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs))
+            for lp in m.logprobs
+        ),
     )
     return Signed(r.encode(), m.signature, r)

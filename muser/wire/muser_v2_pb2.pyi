@@ -7,20 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "max_tokens", "stop_tokens", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "max_tokens", "stop_tokens", "seed", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     max_tokens: int
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("model_digest", "tokenizer_digest", "vocab_size")
@@ -145,7 +157,7 @@ class RoundRequest(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., expected_head: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., pre_state_digest: _Optional[bytes] = ..., transcript_digests: _Optional[_Iterable[bytes]] = ..., proposer_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., decode_len: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., lookup: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s", "decoded", "parents", "path")
+    __slots__ = ("session_id", "round", "epoch", "prev_head", "request_digest", "frontier", "drafts", "accepted", "next_frontier", "post_state_digest", "transcript_digest", "capture_digests", "head", "verifier_key_id", "signature", "verify_s", "wal_s", "sign_s", "decoded", "parents", "path", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +179,7 @@ class RoundResult(_message.Message):
     DECODED_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     round: int
     epoch: int
@@ -188,7 +201,8 @@ class RoundResult(_message.Message):
     decoded: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., prev_head: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., post_state_digest: _Optional[bytes] = ..., transcript_digest: _Optional[bytes] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., head: _Optional[bytes] = ..., verifier_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., verify_s: _Optional[float] = ..., wal_s: _Optional[float] = ..., sign_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, session_id: _Optional[bytes] = ..., round: _Optional[int] = ..., epoch: _Optional[int] = ..., prev_head: _Optional[bytes] = ..., request_digest: _Optional[bytes] = ..., frontier: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., next_frontier: _Optional[int] = ..., post_state_digest: _Optional[bytes] = ..., transcript_digest: _Optional[bytes] = ..., capture_digests: _Optional[_Iterable[bytes]] = ..., head: _Optional[bytes] = ..., verifier_key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., verify_s: _Optional[float] = ..., wal_s: _Optional[float] = ..., sign_s: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("session_id", "round")

@@ -249,12 +249,12 @@ NOT_YET = [
     ("/v1/completions", "min_tokens", 10),
     ("/v1/completions", "prompt_logprobs", 3),
     ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "logprobs", 0),
-    ("/v1/completions", "logprobs", 2),
+    ("/v1/completions", "logprobs", 21),
+    ("/v1/completions", "logprobs", True),
     ("/v1/completions", "frequency_penalty", False),
     ("/v1/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 2),
+    ("/v1/chat/completions", "logprobs", 1),
+    ("/v1/chat/completions", "top_logprobs", 2),  # without logprobs: true
     ("/v1/chat/completions", "echo", True),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
@@ -291,9 +291,9 @@ def test_the_refusal_says_what_is_accepted():
 
     with pytest.raises(RequestError, match=r"min_p=0.5 is not supported by this server yet"):
         parse(CompletionRequest, {"prompt": "x", "min_p": 0.5})
-    with pytest.raises(RequestError, match=r"logprobs=0 is not supported .*only false"):
-        parse(CompletionRequest, {"prompt": "x", "logprobs": 0})
-    assert parse(CompletionRequest, {"prompt": "x", "min_p": 0.0, "logprobs": False}).prompt == "x"
+    with pytest.raises(RequestError, match=r"best_of=2 is not supported .*only 1"):
+        parse(CompletionRequest, {"prompt": "x", "best_of": 2})
+    assert parse(CompletionRequest, {"prompt": "x", "min_p": 0.0, "best_of": 1}).prompt == "x"
 
 
 UNKNOWN = [

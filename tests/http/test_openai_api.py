@@ -268,8 +268,10 @@ BAD_REQUESTS = [
     ("/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", "defines ids"),
     ("/completions", {"prompt": [5, 10**6]}, "prompt", "holds token id 1000000"),
     ("/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "min_p=0.1 is not supported"),
-    ("/completions", {"prompt": "x", "logprobs": 0}, "logprobs", "logprobs=0 is not supported"),
-    ("/chat/completions", {"messages": [], "top_logprobs": 3}, "top_logprobs", "not supported"),
+    ("/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ("/completions", {"prompt": "x", "logprobs": 1, "echo": True}, "echo", "prompt's logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     "top_logprobs", "needs logprobs: true"),
     ("/chat/completions", {"max_tokens": 8}, "messages", "messages: Field required"),
     ("/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]", "content"),
 ]

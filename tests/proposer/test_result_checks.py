@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from muser import keys
+from muser.logprobs import TokenLogprobs, log_softmax64, token_logprobs
 from muser.mt19937 import Mt19937
 from muser.records import (
     Identity,
@@ -32,7 +33,8 @@ IDENT = Identity("target-digest", "tok-digest", 24)
 
 
 def honest_round(session: ProposerSession, proposer_key, verifier_key, depth=3):
-    """One round as an honest verifier would answer it (same maths as the daemon)."""
+    """One round as an honest verifier would answer it (same maths as the daemon), with the
+    emitted tokens' logprobs when the session asked for them."""
     drafter = Drafter(FakeBackend(order=1, salt=1), session.params, q_top_k=8)
     proposal = drafter.draft(session.transcript, session.state, depth)
     signed_req = session.build_request(proposal.drafts, proposal.q_rows, proposer_key)
@@ -65,6 +67,10 @@ def honest_round(session: ProposerSession, proposer_key, verifier_key, depth=3):
         b"\0" * 32,
         keys.key_id(verifier_key.public_key()),
     )
+    k = session.params.logprobs
+    if k is not None:
+        lps = token_logprobs(logits[: decision.accepted + 1], emitted, k)
+        unsigned = dataclasses.replace(unsigned, logprobs=lps)
     result = dataclasses.replace(unsigned, head=unsigned.expected_head())
     body = result.encode()
     return signed_req, Signed(body, verifier_key.sign(body)), result
@@ -115,7 +121,11 @@ def _altered(value, field: str):
 def test_a_result_altered_in_any_field_is_refused(setup, field):
     session, proposer_key, verifier_key, enrolled = setup
     signed_req, signed, result = honest_round(session, proposer_key, verifier_key)
-    forged = dataclasses.replace(result, **{field: _altered(getattr(result, field), field)})
+    if field == "logprobs":  # a session that asked for none: any logprobs are a forgery
+        altered = tuple(TokenLogprobs(-0.5, (), ()) for _ in result.emitted())
+    else:
+        altered = _altered(getattr(result, field), field)
+    forged = dataclasses.replace(result, **{field: altered})
     # re-signed by the real verifier key: the content checks alone must refuse it
     resigned = Signed(forged.encode(), verifier_key.sign(forged.encode()))
     with pytest.raises(ResultRejected):
@@ -124,6 +134,67 @@ def test_a_result_altered_in_any_field_is_refused(setup, field):
     with pytest.raises(ResultRejected, match="signature"):
         session.check_result(signed_req, Signed(forged.encode(), signed.signature), enrolled)
     assert session.next_round == 0 and session.emitted == []
+
+
+@pytest.fixture
+def logprob_setup():
+    proposer_key, verifier_key = keys.generate(), keys.generate()
+    params = SamplingParams(temperature=1.0, max_tokens=32, seed=9, logprobs=3)
+    session = ProposerSession.create(
+        [1, 2, 3, 4], params, IDENT, IDENT, keys.key_id(proposer_key.public_key()), 3
+    )
+    enrolled = {keys.key_id(verifier_key.public_key()): verifier_key.public_key()}
+    return session, proposer_key, verifier_key, enrolled
+
+
+def test_a_session_asking_for_logprobs_keeps_the_targets_beside_its_tokens(logprob_setup):
+    session, proposer_key, verifier_key, enrolled = logprob_setup
+    signed_req, signed, result = honest_round(session, proposer_key, verifier_key)
+    assert len(result.logprobs) == len(result.emitted()) > 0
+    tokens = session.apply(session.check_result(signed_req, signed, enrolled))
+    assert session.logprobs == list(result.logprobs[: len(tokens)])
+    request = RoundRequest.decode(signed_req.body)
+    rows = FakeBackend().evaluate([1, 2, 3, 4, *request.drafts])[3:]
+    for i, (token, lp) in enumerate(zip(tokens, session.logprobs, strict=True)):
+        row = log_softmax64(rows[i])  # the target's row at the token's position
+        assert lp.logprob == row[token]
+        assert list(lp.top_ids) == sorted(range(24), key=lambda t: (-row[t], t))[:3]
+
+
+def _forge_logprobs(result, how):
+    lps = list(result.logprobs)
+    first = lps[0]
+    if how == "too few alternatives":
+        lps[0] = TokenLogprobs(first.logprob, first.top_ids[:2], first.top_logprobs[:2])
+    elif how == "an id outside the vocabulary":
+        lps[0] = TokenLogprobs(first.logprob, (*first.top_ids[:2], 24), first.top_logprobs)
+    elif how == "a repeated id":
+        ids = (first.top_ids[0],) * 3
+        lps[0] = TokenLogprobs(first.logprob, ids, first.top_logprobs)
+    elif how == "a positive log-probability":
+        lps[0] = TokenLogprobs(0.25, first.top_ids, first.top_logprobs)
+    elif how == "not a number":
+        lps[0] = TokenLogprobs(first.logprob, first.top_ids, (float("nan"),) * 3)
+    return dataclasses.replace(result, logprobs=tuple(lps))
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "too few alternatives",
+        "an id outside the vocabulary",
+        "a repeated id",
+        "a positive log-probability",
+        "not a number",
+    ],
+)
+def test_logprobs_of_the_wrong_shape_are_refused(logprob_setup, how):
+    session, proposer_key, verifier_key, enrolled = logprob_setup
+    signed_req, _, result = honest_round(session, proposer_key, verifier_key)
+    body = _forge_logprobs(result, how).encode()
+    with pytest.raises(ResultRejected, match="logprobs"):
+        session.check_result(signed_req, Signed(body, verifier_key.sign(body)), enrolled)
+    assert session.next_round == 0 and session.logprobs == []
 
 
 def test_a_result_signed_by_an_unenrolled_key_is_refused(setup):

@@ -91,3 +91,55 @@ def test_a_lookup_round_is_its_own_domain_and_crosses_the_wire():
         dataclasses.replace(
             looked, parents=(-1,), drafts=(5,), q_rows=request().q_rows[:1]
         ).encode()
+
+
+def test_logprobs_ride_in_the_signed_result_not_the_round_record():
+    """A result carrying logprobs encodes under its own domain (a plain result reader refuses
+    it), crosses the wire whole, keeps the round record and so the head of the same result
+    without them, and a count that is not one per emitted token is refused on both sides."""
+    import dataclasses
+
+    import pytest
+
+    from muser.canonical import CanonicalError, Reader
+    from muser.logprobs import TokenLogprobs
+
+    plain = result()  # emits drafts 5, 9 and the next frontier 4
+    lps = tuple(TokenLogprobs(-0.5 * i, (4, 5), (-0.1, -2.5)) for i in range(3))
+    with_lps = dataclasses.replace(plain, logprobs=lps)
+    assert RoundResult.decode(with_lps.encode()) == with_lps
+    assert with_lps.record_bytes() == plain.record_bytes()
+    assert with_lps.expected_head() == plain.expected_head()
+    assert with_lps.encode() != plain.encode()
+    with pytest.raises(CanonicalError):
+        Reader(with_lps.encode(), "round-result")
+    back = convert.result_from_pb(convert.result_to_pb(Signed.of(with_lps, KEY.sign)))
+    assert result_of(back).logprobs == lps and back.body == with_lps.encode()
+    with pytest.raises(CanonicalError, match="emitting 3 tokens carries 2 logprobs"):
+        dataclasses.replace(plain, logprobs=lps[:2]).encode()
+    message = convert.result_to_pb(Signed.of(with_lps, KEY.sign))
+    del message.logprobs[0]
+    with pytest.raises(CanonicalError, match="carries 2 logprobs"):
+        convert.result_from_pb(message)
+    truncated = with_lps.encode()[:-8]
+    with pytest.raises(CanonicalError):
+        RoundResult.decode(truncated)
+
+
+def test_a_session_asking_for_logprobs_opens_under_its_own_domain():
+    import dataclasses
+
+    from muser.records import Identity, SessionOpen
+    from muser.sampling import SamplingParams
+
+    ident = Identity("m", "t", 24)
+    plain = SessionOpen(b"s" * 16, ident, ident, SamplingParams(seed=3), b"p" * 32, "pk")
+    asking = dataclasses.replace(plain, params=SamplingParams(seed=3, logprobs=5))
+    assert SessionOpen.decode(asking.encode()) == asking
+    assert SessionOpen.decode(plain.encode()).params.logprobs is None
+    assert asking.genesis_head() != plain.genesis_head()
+    params = convert.params_from_pb(convert.params_to_pb(asking.params))
+    assert params.logprobs == 5
+    assert convert.params_from_pb(convert.params_to_pb(plain.params)).logprobs is None
+    zero = convert.params_to_pb(SamplingParams(logprobs=0))
+    assert convert.params_from_pb(zero).logprobs == 0  # 0 alternatives is not none
