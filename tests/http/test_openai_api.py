@@ -270,8 +270,12 @@ BAD_REQUESTS = [
     ("/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "min_p=0.1 is not supported"),
     ("/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ("/completions", {"prompt": "x", "logprobs": 1, "echo": True}, "echo", "prompt's logprobs"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
-     "top_logprobs", "needs logprobs: true"),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        "top_logprobs",
+        "needs logprobs: true",
+    ),
     ("/chat/completions", {"max_tokens": 8}, "messages", "messages: Field required"),
     ("/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]", "content"),
 ]
