@@ -180,34 +180,35 @@ def model_directories(config: ClusterConfig, scope: Scope) -> None:
         _checkpoint_config(config.proposer.draft, "proposer.draft")
 
 
-def _tokenizer(model_dir: Path, where: str) -> tuple[str, object]:
-    """(tokenizer digest, vocab size) from the tokenizer files and config.json only."""
-    from muser.identity import TOKENIZER_DOMAIN, _hash_files, _tokenizer_files, config_value
+def _has_tokenizer(model_dir: Path, where: str) -> None:
+    from muser.identity import _tokenizer_files
 
-    names = _tokenizer_files(Path(model_dir))
-    if not names:
+    if not _tokenizer_files(Path(model_dir)):
         raise ConfigError(
             f"{where} {model_dir} has no tokenizer files (tokenizer.json, vocab, merges); "
             "copy the checkpoint's tokenizer there"
         )
-    vocab = config_value(_checkpoint_config(model_dir, where), "vocab_size")
-    return _hash_files(Path(model_dir), names, TOKENIZER_DOMAIN), vocab
 
 
 def shared_tokenizer(config: ClusterConfig, scope: Scope) -> None:
+    """The draft's vocabulary agrees with the target's on every id and token both define
+    (`muser.vocabulary`; the embedding sizes may differ)."""
     if "proposer" not in scope:  # the session-open handshake checks it again
         return
     if "verifier" not in scope and not (Path(config.verifier.target) / "config.json").is_file():
         return  # a proposer without the target's files checks the verifier's answer at start
-    target = _tokenizer(config.verifier.target, "verifier.target")
-    draft = _tokenizer(config.proposer.draft, "proposer.draft")
-    if target != draft:
+    from muser.errors import ModelLoadError, ModelMismatchError
+    from muser.vocabulary import require_compatible
+
+    _has_tokenizer(config.verifier.target, "verifier.target")
+    _has_tokenizer(config.proposer.draft, "proposer.draft")
+    try:
+        require_compatible(config.verifier.target, config.proposer.draft)
+    except (ModelMismatchError, ModelLoadError) as exc:
         raise ConfigError(
-            f"proposer.draft {config.proposer.draft} does not share the target's tokenizer "
-            f"(tokenizer digest {draft[0][:16]}…, vocab {draft[1]}) with verifier.target "
-            f"{config.verifier.target} (tokenizer digest {target[0][:16]}…, vocab {target[1]}): "
-            "use a draft trained with the target's tokenizer"
-        )
+            f"proposer.draft {config.proposer.draft} and verifier.target "
+            f"{config.verifier.target} do not share a vocabulary: {exc}"
+        ) from exc
 
 
 def capture_layers_exist(config: ClusterConfig, scope: Scope) -> None:

@@ -65,6 +65,11 @@ class HeldTokens:
     identity: ModelIdentity
     device: str
     _tokens: list[int]
+    defined_vocab: int | None = None
+    """As a draft: the ids past which its rows are -inf (`mask_undefined`); None: none."""
+    unknown_id: int | None = None
+    """As a draft: the id it reads in place of a token past its embedding (one of a wider
+    target's padding ids); None: such a token is refused (`check_tokens`)."""
 
     @property
     def device_label(self) -> str:
@@ -176,3 +181,12 @@ def check_options(cls: type, kind: str, opts: dict) -> None:
         raise InvalidOverrideError(
             f"{kind} backend does not take option(s) {unknown}; it takes {known}"
         )
+
+
+def mask_undefined(logits: np.ndarray, defined: int | None) -> np.ndarray:
+    """A draft's float64 rows with every id at or past `defined` set to -inf, in place: ids an
+    embedding holds beyond the shared vocabulary (padding past the tokenizer, or past the
+    target's rows) are never drafted. None: the rows as they are."""
+    if defined is not None and defined < logits.shape[-1]:
+        logits[..., defined:] = -np.inf
+    return logits

@@ -113,14 +113,18 @@ def read_geometry(
 # --- checks every backend applies before touching its model -------------------------------
 
 
-def check_tokens(tokens: Sequence[int], vocab_size: int) -> list[int]:
-    """Tokens as plain ints; refuse ids outside [0, vocab_size) before touching the model."""
+def check_tokens(tokens: Sequence[int], vocab_size: int, unknown: int | None = None) -> list[int]:
+    """Tokens as plain ints; refuse ids outside [0, vocab_size) before touching the model.
+    With `unknown` (a draft reading a target whose embedding is wider: its padding ids), an
+    id past the vocabulary reads as `unknown` instead: a draft's input is only a hint."""
     ids = []
     for t in tokens:
         try:
             ids.append(operator.index(t))
         except TypeError:
             raise TokenOutOfVocabularyError(f"token id {t!r} is not an integer") from None
+    if unknown is not None:
+        ids = [unknown if t >= vocab_size else t for t in ids]
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise TokenOutOfVocabularyError(

@@ -1,8 +1,10 @@
 """Model identity: who a checkpoint is, bit for bit (docs/design.md §8, §9).
 
 `model_digest` is SHA-256 over config.json, every *.safetensors file and the tokenizer
-files; `tokenizer_digest` over the tokenizer files alone. Files are taken in sorted name
-order and each is framed as
+files: the exact checkpoint. `tokenizer_digest` names the tokenizer's vocabulary by its
+content (`muser.vocabulary`: every id's token string and the special tokens), so a re-saved
+or converted copy of the same tokenizer keeps it. Files are taken in sorted name order and
+each is framed as
 
     u64be(len(name)) ‖ name (utf-8) ‖ u64be(len(data)) ‖ data
 
@@ -27,11 +29,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from muser.backend import ModelIdentity
-from muser.errors import ModelLoadError, ModelMismatchError
+from muser.errors import ModelLoadError
+from muser.vocabulary import require_compatible, vocabulary_digest
 
 MODEL_DOMAIN = b"muser.model-identity.v1\x00"
 TOKENIZER_DOMAIN = b"muser.tokenizer-identity.v1\x00"
 RACY_WINDOW_NS = 2_000_000_000
+IDENTITY_RECIPE = 2
+"""What a cached identity record was computed by: 2 digests the tokenizer's vocabulary (a
+record of an older recipe is computed again)."""
 _CHUNK = 1 << 20
 
 # tokenizer.json, tokenizer_config.json, tokenizer.model, special_tokens_map.json,
@@ -98,7 +104,7 @@ def _cache_key(root: Path, names: list[str]) -> tuple[str, int]:
         st = (root / name).stat()
         entries.append([name, st.st_size, st.st_mtime_ns])
         newest = max(newest, st.st_mtime_ns)
-    blob = json.dumps([str(root), entries], separators=(",", ":")).encode()
+    blob = json.dumps([IDENTITY_RECIPE, str(root), entries], separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest(), newest
 
 
@@ -136,14 +142,13 @@ def _compute(root: Path, names: list[str]) -> dict:
     vocab_size = config_value(config, "vocab_size")
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ModelLoadError(f"{root}/config.json: vocab_size is {vocab_size!r}, expected int ≥ 1")
-    tokenizer_names = _tokenizer_files(root)
-    if not tokenizer_names:
+    if not _tokenizer_files(root):
         raise ModelLoadError(f"{root}: no tokenizer files (tokenizer.json, vocab, merges, ...)")
     if not any(n.endswith(".safetensors") for n in names):
         raise ModelLoadError(f"{root}: no *.safetensors weight files")
     return {
         "model_digest": _hash_files(root, names, MODEL_DOMAIN),
-        "tokenizer_digest": _hash_files(root, tokenizer_names, TOKENIZER_DOMAIN),
+        "tokenizer_digest": vocabulary_digest(root),
         "vocab_size": vocab_size,
         "architecture": _architecture(config),
     }
@@ -210,17 +215,9 @@ def declared_capture_layers(path: str | os.PathLike[str]) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def require_shared_tokenizer(target: ModelIdentity, draft: ModelIdentity) -> None:
-    """Refuse a draft whose tokenizer or vocabulary size differs from the target's (§8)."""
-    same_tokenizer = target.tokenizer_digest == draft.tokenizer_digest
-    same_vocab = target.vocab_size == draft.vocab_size
-    if same_tokenizer and same_vocab:
-        return
-    what = [] if same_tokenizer else ["tokenizer digests differ"]
-    if not same_vocab:
-        what.append(f"vocab sizes differ: target {target.vocab_size}, draft {draft.vocab_size}")
-    raise ModelMismatchError(
-        f"draft and target must share one tokenizer and vocabulary ({'; '.join(what)}): "
-        f"target tokenizer {target.tokenizer_digest} ({target.path}), "
-        f"draft tokenizer {draft.tokenizer_digest} ({draft.path})"
-    )
+def require_shared_vocabulary(target: ModelIdentity, draft: ModelIdentity) -> None:
+    """Refuse a draft whose vocabulary conflicts with the target's (docs/design.md §9): equal
+    vocabulary digests pass at once, else the two tokenizers are compared id by id and token
+    by token and the first conflict is named. Embedding sizes (`vocab_size`) may differ."""
+    if target.tokenizer_digest != draft.tokenizer_digest:
+        require_compatible(target.path, draft.path)

@@ -116,11 +116,14 @@ def make_tiny_checkpoint(
     max_position_embeddings: int = 256,
     rope_theta: float = 10000.0,
     sliding_window: int | None = None,
+    tokenizer_size: int | None = None,
 ) -> Path:
     """Write a tiny random `arch` checkpoint (config, safetensors, tokenizer) to `out_dir`.
 
-    `sliding_window` only applies to mistral. The same `vocab_size` always yields
-    byte-identical tokenizer files, so two seeds make a draft/target pair that shares one.
+    `sliding_window` only applies to mistral. The tokenizer is trained to `tokenizer_size`
+    ids (default: `vocab_size`); a larger `vocab_size` pads the embedding past it, as many
+    released models do. The same `tokenizer_size` always yields byte-identical tokenizer
+    files, so two seeds make a draft/target pair that shares one.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -129,7 +132,7 @@ def make_tiny_checkpoint(
         raise ValueError(f"arch {arch!r} is not one of {ARCHES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = _train_tokenizer(tokenizer_size or vocab_size)
     if len(tokenizer) > vocab_size:
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens; vocab_size {vocab_size} too small"
@@ -165,3 +168,23 @@ def _patch_json(path: Path, **values: object) -> None:
     data = json.loads(path.read_text())
     data.update(values)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def resave_tokenizer(path: str | os.PathLike[str]) -> None:
+    """Rewrite a checkpoint's tokenizer.json with the same content in other bytes (another
+    indentation and key order), as a conversion or a `save_pretrained` elsewhere does."""
+    file = Path(path) / "tokenizer.json"
+    data = json.loads(file.read_text())
+    file.write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=True))
+
+
+def swap_tokens(path: str | os.PathLike[str], a: int, b: int) -> tuple[str, str]:
+    """Make a checkpoint's tokenizer conflict with its own former self: ids `a` and `b`
+    trade token strings. Returns the strings now at (a, b)."""
+    file = Path(path) / "tokenizer.json"
+    data = json.loads(file.read_text())
+    vocab = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[a]], vocab[by_id[b]] = b, a
+    file.write_text(json.dumps(data))
+    return by_id[b], by_id[a]

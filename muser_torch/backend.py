@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from muser.backend import Geometry, HeldTokens, ModelIdentity
+from muser.backend import Geometry, HeldTokens, ModelIdentity, mask_undefined
 from muser.errors import CaptureLayerError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import model_identity
@@ -285,7 +285,7 @@ class TorchBackend(HeldTokens):
                 raise TypeError(f"{seq!r} is not a sequence of this backend")
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
-        ids = [check_tokens(tokens, self.vocab_size) for _, tokens in work]
+        ids = [check_tokens(tokens, self.vocab_size, self.unknown_id) for _, tokens in work]
         for seq, new in zip(seqs, ids, strict=True):
             check_room(seq.length, len(new), self.geometry.context_length)
         return self._batch_rows(seqs, ids, layers or [()] * len(seqs))
@@ -359,7 +359,7 @@ class TorchBackend(HeldTokens):
                 raise TypeError(f"{seq!r} is not a sequence of this backend")
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
-        ids = [check_tokens(w[1], self.vocab_size) for w in work]
+        ids = [check_tokens(w[1], self.vocab_size, self.unknown_id) for w in work]
         if any(not x for x in ids):
             raise ValueError("every sequence of a mixed batch evaluates at least one token")
         parents = [w[2] for w in work]
@@ -404,6 +404,7 @@ class TorchBackend(HeldTokens):
                 for hook in hooks:
                     hook.remove()
         logits = logits[:, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        mask_undefined(logits, self.defined_vocab)
         return logits, {i: h.to("cpu", torch.float32).numpy() for i, h in captured.items()}
 
     def _logits(self, rows, positions, mask, cache: BatchKv, keep: dict | None = None):
@@ -441,7 +442,7 @@ class TorchBackend(HeldTokens):
     def _forward(
         self, tokens: Sequence[int], layers: Sequence[int]
     ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        ids = check_tokens(tokens, self.vocab_size)
+        ids = check_tokens(tokens, self.vocab_size, self.unknown_id)
         check_room(self.length, len(ids), self.geometry.context_length)
         if not ids:
             return np.zeros((0, self.vocab_size)), {i: self._no_rows() for i in layers}
@@ -464,6 +465,7 @@ class TorchBackend(HeldTokens):
                 hook.remove()
         self._tokens.extend(ids)
         logits = logits[0, :, : self.vocab_size].to("cpu", torch.float64).numpy()
+        mask_undefined(logits, self.defined_vocab)
         return logits, {i: h[0].to("cpu", torch.float32).numpy() for i, h in captured.items()}
 
     def _cut_to_tokens(self) -> None:

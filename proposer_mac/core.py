@@ -121,10 +121,12 @@ class ProposerCore:
 
     def check_draft_target(self) -> None:
         """A conditioned draft reads only the target it was trained for: refused at start
-        against any other, naming both."""
+        against any other, naming both. Any draft drafts only ids the target's rows reach."""
+        from proposer_mac.backends import limit_to_target
         from proposer_mac.backends.conditioned import pair_check
 
         pair_check(self.draft, self.target_identity, "proposer start (verifier.target)")
+        limit_to_target(self.draft, self.target_identity.vocab_size)
 
     # ---- the journal and its failure --------------------------------------------------------
 

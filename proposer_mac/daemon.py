@@ -53,9 +53,11 @@ async def ask_target_identity(core: ProposerCore, timeout: float = 60.0) -> Iden
         raise RefusedError(f"the verifier at {address} reported no usable target: {exc}") from exc
     if ident.tokenizer_digest != core.draft_identity.tokenizer_digest:
         raise RefusedError(
-            f"the verifier's target tokenizer {ident.tokenizer_digest} differs from the draft's "
-            f"{core.draft_identity.tokenizer_digest} ({core.config.proposer.draft}): the pair "
-            "must share one tokenizer"
+            f"the verifier's target vocabulary {ident.tokenizer_digest} differs from the "
+            f"draft's {core.draft_identity.tokenizer_digest} ({core.config.proposer.draft}): "
+            "the pair must share one vocabulary (a proposer without the target's files can "
+            "compare digests only; put the target's tokenizer at verifier.target to compare "
+            "them token by token)"
         )
     return ident
 

@@ -50,8 +50,10 @@ from verifier_gx.replay import SessionState
 def check_identities(
     o: SessionOpen, target: ModelIdentity, qualified_draft: tuple[str, str] | None = None
 ) -> None:
-    """Target identity must be the loaded target's; the draft must share its tokenizer and,
-    when the lane's receipt names one (`(model digest, tokenizer digest)`), be that draft."""
+    """Target identity must be the loaded target's. When the lane's receipt names a draft
+    (`(model digest, tokenizer digest)`) the draft must be that one: qualification compared
+    the two vocabularies token by token (`muser.vocabulary`). Without one, the draft's
+    vocabulary digest must be the target's. Embedding sizes may differ either way."""
     if qualified_draft is not None and (
         o.draft.model_digest,
         o.draft.tokenizer_digest,
@@ -64,9 +66,9 @@ def check_identities(
         ("target model digest", o.target.model_digest, target.model_digest),
         ("target tokenizer digest", o.target.tokenizer_digest, target.tokenizer_digest),
         ("target vocab size", o.target.vocab_size, target.vocab_size),
-        ("draft tokenizer digest", o.draft.tokenizer_digest, target.tokenizer_digest),
-        ("draft vocab size", o.draft.vocab_size, target.vocab_size),
     ]
+    if qualified_draft is None:
+        pairs.append(("draft tokenizer digest", o.draft.tokenizer_digest, target.tokenizer_digest))
     for what, got, expected in pairs:
         if got != expected:
             raise ModelMismatchError(

@@ -238,8 +238,8 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
     """Load the target (and the draft), refusing a draft whose tokenizer differs."""
     from transformers import AutoTokenizer
 
-    from muser.identity import require_shared_tokenizer
-    from proposer_mac.backends import load_draft_backend
+    from muser.identity import require_shared_vocabulary
+    from proposer_mac.backends import limit_to_target, load_draft_backend
     from verifier_gx.backends import load_target_backend
 
     models = pair_models(args, need_draft=need_draft, progress=sys.stderr.isatty())
@@ -264,7 +264,8 @@ def open_models(args: argparse.Namespace, *, need_draft: bool) -> OpenedModels:
         else:
             refuse_conditioned_flags(args, models.draft_kind)
         draft = load_draft_backend(backend, draft_dir, window=args.draft_window, **overrides)
-        require_shared_tokenizer(target.identity, draft.identity)
+        require_shared_vocabulary(target.identity, draft.identity)
+        limit_to_target(draft, target.identity.vocab_size)
         if backend == "conditioned":
             draft.check_target(target.identity, f"--draft-kind conditioned ({draft_dir})")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

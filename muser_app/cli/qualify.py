@@ -242,7 +242,7 @@ def compare_with_oracle(
 
 def _load_backends(config: ClusterConfig) -> tuple:
     """The target as the verifier daemon loads it, the draft as the proposer daemon does."""
-    from muser.identity import require_shared_tokenizer
+    from muser.identity import require_shared_vocabulary
     from proposer_mac.backends import draft_options, load_draft_backend
     from verifier_gx.backends import load_target_backend, target_options
 
@@ -251,7 +251,7 @@ def _load_backends(config: ClusterConfig) -> tuple:
     draft = load_draft_backend(
         p.backend, p.draft, **draft_options(p.backend, device=p.device, dtype=p.dtype)
     )
-    require_shared_tokenizer(target.identity, draft.identity)
+    require_shared_vocabulary(target.identity, draft.identity)
     return target, draft
 
 

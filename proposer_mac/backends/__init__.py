@@ -71,4 +71,24 @@ def load_draft_backend(
     return WindowedBackend(backend, window)
 
 
-__all__ = ["DRAFT_KINDS", "DraftKind", "draft_options", "load_draft_backend"]
+def limit_to_target(draft: ModelBackend, target_vocab: int) -> None:
+    """Draft only ids both sides define: those of the draft's own vocabulary (an embedding
+    padded past its tokenizer holds more) that the target's rows reach (`target_vocab`, its
+    `vocab_size`). And read a token past the draft's embedding (a wider target's padding id,
+    which the target may emit) as the draft's end-of-sequence token: a draft's input is only
+    a hint, so it costs acceptance, never exactness. A backend without these settings
+    (n-gram lookup proposes tokens it has seen; a conditioned draft its head's) is left as
+    it is."""
+    if not hasattr(draft, "defined_vocab"):
+        return
+    from muser.vocabulary import load_vocabulary
+
+    vocabulary = load_vocabulary(draft.identity.path)
+    defined = min(max(vocabulary.tokens) + 1, target_vocab)
+    if defined < draft.vocab_size:
+        draft.defined_vocab = defined
+    if target_vocab > draft.vocab_size:
+        draft.unknown_id = vocabulary.special.get("eos", 0)
+
+
+__all__ = ["DRAFT_KINDS", "DraftKind", "draft_options", "limit_to_target", "load_draft_backend"]

@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from muser.backend import Geometry, HeldTokens, ModelIdentity
+from muser.backend import Geometry, HeldTokens, ModelIdentity, mask_undefined
 from muser.errors import ContextOverflowError, InvalidOverrideError, ModelLoadError
 from muser.geometry import check_rollback, check_room, check_tokens, read_geometry
 from muser.identity import config_value, model_identity, read_config
@@ -120,7 +120,7 @@ class MlxBackend(HeldTokens):
 
     def evaluate(self, tokens: Sequence[int]) -> np.ndarray:
         """Append `tokens`; float64 logits (len(tokens), vocab_size), positions from `length`."""
-        ids = check_tokens(tokens, self.vocab_size)
+        ids = check_tokens(tokens, self.vocab_size, self.unknown_id)
         try:
             check_room(self.length, len(ids), self._limit)
         except ContextOverflowError as exc:
@@ -158,7 +158,7 @@ class MlxBackend(HeldTokens):
             logits = self._model(mx.array([ids]), cache=self._cache)
             logits = logits[0, :, : self.vocab_size].astype(mx.float32)
             mx.eval(logits)
-        return np.array(logits, dtype=np.float64)
+        return mask_undefined(np.array(logits, dtype=np.float64), self.defined_vocab)
 
     def fork(self) -> MlxBackend:
         """An empty sequence over the same weights, through this very forward (the proposer

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from muser import identity as identity_mod
-from muser.backend import ModelIdentity
 from muser.errors import ModelLoadError, ModelMismatchError
-from muser.identity import model_identity, require_shared_tokenizer
+from muser.identity import model_identity, require_shared_vocabulary
+from muser_app.testing import resave_tokenizer, swap_tokens
 
 HOUR_NS = 3600 * 10**9
 
@@ -72,10 +72,14 @@ def test_config_and_tokenizer_changes_change_the_digests(copy: Path) -> None:
     after_config = model_identity(copy)
     assert after_config.model_digest != before.model_digest
     assert after_config.tokenizer_digest == before.tokenizer_digest
-    (copy / "special_tokens_map.json").write_text("{}")
+    resave_tokenizer(copy)  # other bytes, the same vocabulary
+    resaved = model_identity(copy)
+    assert resaved.tokenizer_digest == before.tokenizer_digest
+    assert resaved.model_digest != after_config.model_digest  # the exact files, still
+    swap_tokens(copy, 7, 8)  # another vocabulary
     after_tokenizer = model_identity(copy)
     assert after_tokenizer.tokenizer_digest != before.tokenizer_digest
-    assert after_tokenizer.model_digest != after_config.model_digest
+    assert after_tokenizer.model_digest != resaved.model_digest
 
 
 def test_identity_is_cached_until_a_file_changes(copy: Path, monkeypatch) -> None:
@@ -130,28 +134,48 @@ def test_shared_tokenizer_accepted_for_a_draft_target_pair(checkpoint) -> None:
     target = model_identity(checkpoint("llama", seed=1, layers=3))
     draft = model_identity(checkpoint("qwen3", seed=2))
     assert target.model_digest != draft.model_digest
-    require_shared_tokenizer(target, draft)
+    require_shared_vocabulary(target, draft)
 
 
-def test_tokenizer_mismatch_refused_naming_both_digests(checkpoint) -> None:
+def test_a_resaved_tokenizer_and_a_padded_embedding_are_the_same_vocabulary(
+    checkpoint, tmp_path
+) -> None:
+    """Compatibility is the vocabulary's, not the files': a tokenizer.json re-saved in other
+    bytes keeps the digest, and an embedding padded past the tokenizer changes nothing."""
+    target = model_identity(checkpoint("llama", seed=1))
+    draft_dir = Path(shutil.copytree(checkpoint("qwen2", seed=2, vocab_size=384,
+                                                tokenizer_size=320), tmp_path / "draft"))  # fmt: skip
+    before = (draft_dir / "tokenizer.json").read_bytes()
+    resave_tokenizer(draft_dir)
+    assert (draft_dir / "tokenizer.json").read_bytes() != before
+    draft = model_identity(draft_dir)
+    assert draft.tokenizer_digest == target.tokenizer_digest
+    assert (draft.vocab_size, target.vocab_size) == (384, 320)
+    require_shared_vocabulary(target, draft)
+    require_shared_vocabulary(draft, target)  # either side may be the padded one
+
+
+def test_a_conflicting_vocabulary_is_refused_naming_the_id_and_both_tokens(
+    checkpoint, tmp_path
+) -> None:
     target = model_identity(checkpoint("llama"))
-    draft = model_identity(checkpoint("llama", vocab_size=300))
-    assert target.tokenizer_digest != draft.tokenizer_digest
+    draft_dir = Path(shutil.copytree(checkpoint("llama", seed=3), tmp_path / "draft"))
+    at_100, at_200 = swap_tokens(draft_dir, 100, 200)
+    draft = model_identity(draft_dir)
+    assert draft.tokenizer_digest != target.tokenizer_digest
     with pytest.raises(ModelMismatchError) as info:
-        require_shared_tokenizer(target, draft)
+        require_shared_vocabulary(target, draft)
     message = str(info.value)
-    assert target.tokenizer_digest in message and draft.tokenizer_digest in message
-    assert "target 320, draft 300" in message
+    assert f"id 100 is {at_200!r} in the target and {at_100!r} in the draft" in message
+    assert str(draft_dir) in message and "use a draft trained with the target's" in message
 
 
-def test_vocab_size_mismatch_refused_even_with_one_tokenizer(llama: Path) -> None:
-    target = model_identity(llama)
-    padded = ModelIdentity(
-        model_digest="0" * 64,
-        tokenizer_digest=target.tokenizer_digest,
-        vocab_size=384,
-        architecture="LlamaForCausalLM",
-        path="/elsewhere",
-    )
-    with pytest.raises(ModelMismatchError, match=r"vocab sizes differ: target 320, draft 384"):
-        require_shared_tokenizer(target, padded)
+def test_a_draft_whose_embedding_cannot_read_the_targets_tokens_is_refused(checkpoint) -> None:
+    """A smaller vocabulary that agrees on every id it defines is no conflict, but the draft
+    reads the target's tokens: its embedding must hold every id the target's tokenizer does."""
+    target = model_identity(checkpoint("llama"))
+    small = model_identity(checkpoint("llama", vocab_size=300))
+    assert small.tokenizer_digest != target.tokenizer_digest
+    require_shared_vocabulary(small, target)  # the other way round: the draft covers it
+    with pytest.raises(ModelMismatchError, match=r"embeds 300 token ids .* ids up to 31\d"):
+        require_shared_vocabulary(target, small)

@@ -21,3 +21,13 @@ def muser(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
     )
+
+
+async def stop_in_process(proposer, verifier) -> None:
+    """Stop daemons a test built with `create_server` in its own process: the proposer's
+    HTTP API, its server and core, then the verifier."""
+    if getattr(proposer, "http", None) is not None:
+        await proposer.http.cleanup()
+    await proposer.stop(None)
+    await proposer.core.close()
+    await verifier.stop(None)

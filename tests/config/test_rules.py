@@ -14,7 +14,7 @@ from cluster_config import load_config
 from cluster_config.schema import ConfigError
 from muser_app.cli.config import init_cluster, to_toml
 from muser_app.cli.main import main
-from muser_app.testing import make_tiny_checkpoint
+from muser_app.testing import make_tiny_checkpoint, resave_tokenizer, swap_tokens
 
 
 @pytest.fixture
@@ -68,20 +68,32 @@ def test_vllm_verifier_backend_is_accepted(cluster_file):
     assert load_config(cluster_file).verifier.backend == "vllm"
 
 
-def test_draft_with_another_tokenizer_refused(cluster_file, tiny_pair, tmp_path, capsys):
+def test_draft_with_a_conflicting_vocabulary_refused(cluster_file, tiny_pair, tmp_path, capsys):
     draft = tmp_path / "draft-other-tokenizer"
     shutil.copytree(tiny_pair[1], draft)
-    config = json.loads((draft / "tokenizer_config.json").read_text())
-    (draft / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
+    at_40, at_41 = swap_tokens(draft, 40, 41)
     set_value(cluster_file, "proposer.draft", str(draft))
     err = refused(cluster_file, capsys)
-    assert "does not share the target's tokenizer" in err and str(draft) in err
+    assert "do not share a vocabulary" in err and str(draft) in err
+    assert f"id 40 is {at_41!r} in the target and {at_40!r} in the draft" in err
 
 
-def test_draft_with_another_vocabulary_refused(cluster_file, tmp_path, capsys):
+def test_draft_with_a_resaved_tokenizer_and_a_padded_embedding_accepted(
+    cluster_file, tmp_path, unqualified
+):
+    """Other tokenizer bytes and a larger embedding, one vocabulary: the pair is fine."""
+    draft = make_tiny_checkpoint(
+        tmp_path / "padded", arch="qwen2", vocab_size=384, tokenizer_size=320, seed=4
+    )
+    resave_tokenizer(draft)
+    set_value(cluster_file, "proposer.draft", str(draft))
+    assert main(["config", "check", str(cluster_file)]) == 0
+
+
+def test_draft_whose_embedding_misses_target_tokens_refused(cluster_file, tmp_path, capsys):
     draft = make_tiny_checkpoint(tmp_path / "small-vocab", vocab_size=300, seed=3)
     set_value(cluster_file, "proposer.draft", str(draft))
-    assert "vocab 300" in refused(cluster_file, capsys)
+    assert "embeds 300 token ids (config vocab_size)" in refused(cluster_file, capsys)
 
 
 def test_capture_layer_the_target_lacks_refused(cluster_file, unqualified, capsys):

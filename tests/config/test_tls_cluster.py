@@ -18,6 +18,7 @@ from muser_app.cli.cluster_client import stream_generate
 from muser_app.cli.config import init_cluster
 from muser_app.cli.main import main
 from muser_app.cli.status import probe
+from tests.cluster.harness import stop_in_process
 
 PROMPT = [5, 17, 42, 9, 100, 3]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24)
@@ -57,11 +58,7 @@ async def test_tls_cluster_generates_exactly_and_refuses_plaintext(tmp_path, tin
         with pytest.raises(OSError):
             await asyncio.to_thread(urllib.request.urlopen, f"http://{http}/metrics", timeout=5)
     finally:
-        if getattr(proposer, "http", None) is not None:
-            await proposer.http.cleanup()
-        await proposer.stop(None)
-        await proposer.core.close()
-        await verifier.stop(None)
+        await stop_in_process(proposer, verifier)
 
 
 def https_get(url: str, config) -> tuple[int, bytes]:

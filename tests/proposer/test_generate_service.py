@@ -248,7 +248,7 @@ async def test_a_verifier_target_with_another_tokenizer_is_refused(key_set, tmp_
         }
     )
     try:
-        with pytest.raises(RefusedError, match="must share one tokenizer"):
+        with pytest.raises(RefusedError, match="the pair must share one vocabulary"):
             await create_server(cfg, draft=OtherTokenizerDraft(), tokenizer=CharTokenizer())
     finally:
         await verifier.stop()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from muser.backend import Geometry, ModelIdentity
 from muser.errors import ContextOverflowError, InvalidOverrideError, RollbackError
-from muser.identity import require_shared_tokenizer
+from muser.identity import require_shared_vocabulary
 from muser.mt19937 import Mt19937
 from muser.sampling import SamplingParams, draft_row
 from muser.tree_width import full_parents
@@ -97,7 +97,7 @@ def test_forks_draft_apart() -> None:
 
 def test_identity_shares_the_targets_tokenizer_and_names_the_settings() -> None:
     a, b = ngram(1, 3), ngram(2, 3)
-    require_shared_tokenizer(TARGET, a.identity)  # does not raise
+    require_shared_vocabulary(TARGET, a.identity)  # does not raise
     assert a.identity.tokenizer_digest == TARGET.tokenizer_digest
     assert len({TARGET.model_digest, a.identity.model_digest, b.identity.model_digest}) == 3
     assert a.identity.architecture == "ngram(1..3)"

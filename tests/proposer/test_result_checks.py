@@ -76,15 +76,20 @@ def honest_round(session: ProposerSession, proposer_key, verifier_key, depth=3):
     return signed_req, Signed(body, verifier_key.sign(body)), result
 
 
-@pytest.fixture
-def setup():
+def _setup(**params):
+    """A fresh session (T = 1 unless `params` say otherwise), its keys, the enrolled keys."""
     proposer_key, verifier_key = keys.generate(), keys.generate()
-    params = SamplingParams(temperature=1.0, max_tokens=32, seed=9)
+    params = SamplingParams(**{"temperature": 1.0, "max_tokens": 32, "seed": 9, **params})
     session = ProposerSession.create(
         [1, 2, 3, 4], params, IDENT, IDENT, keys.key_id(proposer_key.public_key()), 3
     )
     enrolled = {keys.key_id(verifier_key.public_key()): verifier_key.public_key()}
     return session, proposer_key, verifier_key, enrolled
+
+
+@pytest.fixture
+def setup():
+    return _setup()
 
 
 def test_an_honest_result_is_accepted_and_applied(setup):
@@ -138,13 +143,7 @@ def test_a_result_altered_in_any_field_is_refused(setup, field):
 
 @pytest.fixture
 def logprob_setup():
-    proposer_key, verifier_key = keys.generate(), keys.generate()
-    params = SamplingParams(temperature=1.0, max_tokens=32, seed=9, logprobs=3)
-    session = ProposerSession.create(
-        [1, 2, 3, 4], params, IDENT, IDENT, keys.key_id(proposer_key.public_key()), 3
-    )
-    enrolled = {keys.key_id(verifier_key.public_key()): verifier_key.public_key()}
-    return session, proposer_key, verifier_key, enrolled
+    return _setup(logprobs=3)
 
 
 def test_a_session_asking_for_logprobs_keeps_the_targets_beside_its_tokens(logprob_setup):

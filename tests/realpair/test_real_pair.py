@@ -106,13 +106,13 @@ def test_mlx_reads_the_same_model_as_torch(real) -> None:
 
 
 def test_the_trained_draft_loads_on_torch_and_mlx_alike_and_shares_the_tokenizer() -> None:
-    from muser.identity import require_shared_tokenizer
+    from muser.identity import require_shared_vocabulary
 
     models = resolve("smollm2", "trained", progress=False)
     torch_draft = load_draft_backend("torch", models.draft)
     mlx_draft = load_draft_backend("mlx", models.draft)
     target = load_target_backend("torch", models.target)
-    require_shared_tokenizer(target.identity, torch_draft.identity)
+    require_shared_vocabulary(target.identity, torch_draft.identity)
     prompt = [504, 3458, 314, 260, 1345, 282]
     a, b = torch_draft.evaluate(prompt), mlx_draft.evaluate(prompt)
     assert np.abs(log_softmax(a) - log_softmax(b)).max() < 1e-3

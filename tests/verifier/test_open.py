@@ -35,7 +35,6 @@ IDENTITY_CASES = {
     "target_tokenizer": ("target", "tokenizer_digest", "other-tok"),
     "target_vocab": ("target", "vocab_size", 25),
     "draft_tokenizer": ("draft", "tokenizer_digest", "other-tok"),
-    "draft_vocab": ("draft", "vocab_size", 23),
 }
 
 
@@ -50,6 +49,17 @@ async def test_open_refuses_identity_mismatch_naming_both_values(verifier, case)
         verifier, client.open_session(open_=wrong), C.FAILED_PRECONDITION, "identity_mismatch"
     )
     assert repr(bad) in details and repr(real) in details
+
+
+async def test_a_draft_with_a_padded_embedding_opens(verifier):
+    """The draft shares the target's vocabulary (its digest) but pads its embedding past
+    it, or holds fewer rows than the target's padded one: embedding sizes may differ."""
+    for rows in (23, 64):
+        client = verifier.client(PARAMS)
+        padded = dataclasses.replace(
+            client.open, draft=dataclasses.replace(client.open.draft, vocab_size=rows)
+        )
+        await client.open_session(open_=padded)
 
 
 async def test_open_refusals(verifier, key_set):
