@@ -150,7 +150,7 @@ class Reply:
         else:
             out["message"] = {"role": "assistant", "content": content}
         out.update(logprobs=self.logprobs(c), finish_reason=reason)
-        if reason is not None or not chunk:
+        if reason is not None or not chunk or not self.chat:  # (vLLM's chat chunks: last only)
             out["stop_reason"] = c.stop_reason(reason, self.user_stops)
         if reason is not None and len(self.choices) > 1:
             out["muser"] = c.muser()
