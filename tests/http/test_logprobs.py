@@ -108,3 +108,23 @@ def test_chat_logprobs_are_plain_decodes_rows(client, model_id, tokenizer, targe
 def test_a_session_that_asks_for_none_gets_none(client, model_id):
     r = client.completions.create(model=model_id, prompt="def f(", max_tokens=4, temperature=0)
     assert r.choices[0].logprobs is None
+
+
+@pytest.mark.asyncio
+async def test_the_async_client_streams_choices_with_their_logprobs(base_url, model_id):
+    """The `openai` package's async client: two seeded choices streamed, each token's
+    logprobs arriving with its delta, each choice the one-choice request at seed + index."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        kwargs = dict(model=model_id, prompt="def parse(", max_tokens=8, temperature=1.0)
+        stream = await client.completions.create(**kwargs, n=2, seed=21, logprobs=1, stream=True)
+        texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+        for index in (0, 1):
+            alone = await client.completions.create(**kwargs, seed=21 + index, logprobs=1)
+            assert texts[index] == alone.choices[0].text
+            assert tokens[index] == alone.choices[0].logprobs.tokens and len(tokens[index]) > 0
