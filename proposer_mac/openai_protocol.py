@@ -14,6 +14,7 @@ Types are strict: `true` is no number, `1.0` no integer, `"1"` no number.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -76,8 +77,6 @@ class OpenAIBaseModel(BaseModel):
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value)
 
 
