@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Literal
 
 SPECIAL_TOKEN = "<|endoftext|>"
-Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "olmo2"]
 ARCHES: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral")
+"""The Llama family: the torch backend's own forwards (lean, packed) take them."""
+OTHER_ARCHES: tuple[Arch, ...] = ("gemma2", "gemma3", "phi3", "olmo2")
+"""Other causal LMs transformers and mlx-lm both run: the torch backend runs them on
+transformers' forward."""
 
 _TEXT = """\
 The river rises in the hills above the town and runs for forty miles before it reaches the
@@ -67,7 +71,16 @@ def _train_tokenizer(vocab_size: int):
 
 
 def _config(arch: Arch, **common):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     heads = common.pop("num_attention_heads")
     head_dim = common["hidden_size"] // heads
@@ -82,7 +95,17 @@ def _config(arch: Arch, **common):
         return Qwen2Config(**kwargs)
     if arch == "qwen3":
         return Qwen3Config(**kwargs)
-    raise ValueError(f"arch {arch!r} is not one of {ARCHES}")
+    kwargs["pad_token_id"] = kwargs["eos_token_id"]  # (their defaults lie past a tiny vocab)
+    if arch in ("gemma2", "gemma3"):  # Gemma ties its head to the embedding, as mlx-lm reads it
+        kwargs["tie_word_embeddings"] = True
+        return (Gemma2Config if arch == "gemma2" else Gemma3TextConfig)(**kwargs)
+    if arch == "phi3":
+        kwargs.pop("head_dim")
+        return Phi3Config(**kwargs)
+    if arch == "olmo2":
+        kwargs.pop("head_dim")
+        return Olmo2Config(**kwargs)
+    raise ValueError(f"arch {arch!r} is not one of {ARCHES + OTHER_ARCHES}")
 
 
 def _randomise(model, seed: int) -> None:
@@ -128,8 +151,8 @@ def make_tiny_checkpoint(
     import torch
     from transformers import AutoModelForCausalLM
 
-    if arch not in ARCHES:
-        raise ValueError(f"arch {arch!r} is not one of {ARCHES}")
+    if arch not in ARCHES + OTHER_ARCHES:
+        raise ValueError(f"arch {arch!r} is not one of {ARCHES + OTHER_ARCHES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(tokenizer_size or vocab_size)
