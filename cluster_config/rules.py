@@ -198,12 +198,20 @@ def shared_tokenizer(config: ClusterConfig, scope: Scope) -> None:
     if "verifier" not in scope and not (Path(config.verifier.target) / "config.json").is_file():
         return  # a proposer without the target's files checks the verifier's answer at start
     from muser.errors import ModelLoadError, ModelMismatchError
+    from muser.identity import config_value
     from muser.vocabulary import require_compatible
 
     _has_tokenizer(config.verifier.target, "verifier.target")
     _has_tokenizer(config.proposer.draft, "proposer.draft")
     try:
-        require_compatible(config.verifier.target, config.proposer.draft)
+        rows = config_value(
+            _checkpoint_config(config.proposer.draft, "proposer.draft"), "vocab_size"
+        )
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ModelLoadError(
+                f"{config.proposer.draft}/config.json: vocab_size is {rows!r}, expected an int >= 1"
+            )
+        require_compatible(config.verifier.target, config.proposer.draft, rows)
     except (ModelMismatchError, ModelLoadError) as exc:
         raise ConfigError(
             f"proposer.draft {config.proposer.draft} and verifier.target "

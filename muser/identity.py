@@ -220,4 +220,4 @@ def require_shared_vocabulary(target: ModelIdentity, draft: ModelIdentity) -> No
     vocabulary digests pass at once, else the two tokenizers are compared id by id and token
     by token and the first conflict is named. Embedding sizes (`vocab_size`) may differ."""
     if target.tokenizer_digest != draft.tokenizer_digest:
-        require_compatible(target.path, draft.path)
+        require_compatible(target.path, draft.path, draft.vocab_size)

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from muser.errors import ModelLoadError, ModelMismatchError
 
@@ -32,9 +31,6 @@ class Vocabulary:
     """Every id the tokenizer defines (its base vocabulary and added tokens) -> its string."""
     special: dict[str, int]
     """Role (bos, eos) -> id, for the roles the tokenizer names."""
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
     def digest(self) -> str:
         body = json.dumps(
@@ -61,20 +57,6 @@ def load_vocabulary(path: str | os.PathLike[str]) -> Vocabulary:
         if (i := getattr(tok, f"{role}_token_id", None)) is not None
     }
     return Vocabulary(tokens, special)
-
-
-def embedded_ids(path: str | os.PathLike[str]) -> int:
-    """The token ids a checkpoint's embedding holds: its config.json's `vocab_size` (a
-    multimodal wrapper's `text_config`)."""
-    config_path = Path(path) / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{config_path}: unreadable config ({exc})") from exc
-    rows = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise ModelLoadError(f"{config_path}: vocab_size is {rows!r}, expected an int >= 1")
-    return rows
 
 
 def vocabulary_digest(path: str | os.PathLike[str]) -> str:
@@ -104,11 +86,12 @@ def first_conflict(target: Vocabulary, draft: Vocabulary) -> str | None:
 
 
 def require_compatible(
-    target_path: str | os.PathLike[str], draft_path: str | os.PathLike[str]
+    target_path: str | os.PathLike[str], draft_path: str | os.PathLike[str], draft_rows: int
 ) -> None:
     """Refuse a draft whose vocabulary conflicts with the target's, naming the conflict, or
     whose embedding cannot read every token the target may emit (the draft reads the
-    target's tokens: its `vocab_size` must cover every id the target's tokenizer defines)."""
+    target's tokens: its `draft_rows`, config.json's `vocab_size`, must cover every id the
+    target's tokenizer defines)."""
     target, draft = load_vocabulary(target_path), load_vocabulary(draft_path)
     if target.digest() != draft.digest():
         conflict = first_conflict(target, draft)
@@ -117,10 +100,10 @@ def require_compatible(
                 f"the draft's vocabulary ({draft_path}) conflicts with the target's "
                 f"({target_path}): {conflict}; use a draft trained with the target's tokenizer"
             )
-    rows, needed = embedded_ids(draft_path), max(target.tokens) + 1
-    if rows < needed:
+    needed = max(target.tokens) + 1
+    if draft_rows < needed:
         raise ModelMismatchError(
-            f"the draft ({draft_path}) embeds {rows} token ids (config vocab_size) but the "
+            f"the draft ({draft_path}) embeds {draft_rows} token ids (config vocab_size) but the "
             f"target's tokenizer ({target_path}) defines ids up to {needed - 1}: the draft "
             "could not read the target's tokens; use a draft whose vocabulary covers the "
             "target's"

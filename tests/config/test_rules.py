@@ -90,6 +90,14 @@ def test_draft_with_a_resaved_tokenizer_and_a_padded_embedding_accepted(
     assert main(["config", "check", str(cluster_file)]) == 0
 
 
+def test_draft_without_a_vocab_size_refused(cluster_file, tiny_pair, tmp_path, capsys):
+    draft = Path(shutil.copytree(tiny_pair[1], tmp_path / "no-vocab-size"))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": "big"}))
+    set_value(cluster_file, "proposer.draft", str(draft))
+    assert "vocab_size is 'big', expected an int >= 1" in refused(cluster_file, capsys)
+
+
 def test_draft_whose_embedding_misses_target_tokens_refused(cluster_file, tmp_path, capsys):
     draft = make_tiny_checkpoint(tmp_path / "small-vocab", vocab_size=300, seed=3)
     set_value(cluster_file, "proposer.draft", str(draft))
